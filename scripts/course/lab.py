@@ -1,0 +1,128 @@
+"""Start JupyterLab on the course: ``python -m course.lab`` (what ``make lab`` runs).
+
+Lab listens on 127.0.0.1 only, with a fresh random token, and opens notebook 00. The browser
+tests start their server with the same ``start_lab`` function, so what they test is what you run.
+"""
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import webbrowser
+from pathlib import Path
+
+from course import ROOT
+
+FIRST_NOTEBOOK = "notebooks/00_environment.ipynb"
+# The "get official Jupyter news?" toast: it asks to go online, which this course never needs.
+NO_NEWS = {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+
+
+def free_port(preferred: int | None = None) -> int:
+    """``preferred`` if nothing listens there, else any free port of 127.0.0.1."""
+    for port in ([preferred] if preferred else []) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def lab_url(port: int, token: str, path: str = FIRST_NOTEBOOK, workspace: str | None = None) -> str:
+    """The URL that opens ``path`` in Lab; a named ``workspace`` starts from a clean layout (?reset)."""
+    prefix = f"/lab/workspaces/{workspace}" if workspace else "/lab"
+    query = f"?reset&token={token}" if workspace else f"?token={token}"
+    return f"http://127.0.0.1:{port}{prefix}/tree/{path}{query}"
+
+
+def start_lab(root=ROOT, port: int | None = None, token: str | None = None, state_dir=None,
+              settings: dict | None = None, env: dict | None = None, log=None, timeout: float = 90):
+    """Start ``jupyter lab`` serving ``root`` on 127.0.0.1 and wait until it answers.
+
+    state_dir: where Lab keeps this server's config, user settings and workspaces (default: a new
+      temporary folder), so that nothing is written to ~/.jupyter and tests start from a clean slate.
+    settings: user settings to start from, e.g. ``{"@jupyterlab/docmanager-extension:plugin":
+      {"autosave": False}}``. Returns ``(base_url, token, process)``; stop it with ``stop_lab``.
+    """
+    port = port or free_port()
+    token = token or secrets.token_hex(24)
+    state = Path(state_dir or tempfile.mkdtemp(prefix="course-lab-"))
+    # Page config (the news toast off) goes into a config folder of our own, put first on
+    # JUPYTER_CONFIG_PATH: no `jupyter labextension disable`, nothing written outside state_dir.
+    (state / "config" / "labconfig").mkdir(parents=True, exist_ok=True)
+    (state / "config" / "labconfig" / "page_config.json").write_text(json.dumps(NO_NEWS))
+    for plugin, values in (settings or {}).items():
+        package, name = plugin.split(":")
+        path = state / "settings" / package / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    config_path = os.pathsep.join(filter(None, [str(state / "config"), os.environ.get("JUPYTER_CONFIG_PATH")]))
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}",
+           f"--LabApp.user_settings_dir={state / 'settings'}", f"--LabApp.workspaces_dir={state / 'workspaces'}"]
+    if os.geteuid() == 0:  # Jupyter refuses to run as root without it (containers, CI)
+        cmd.append("--allow-root")
+    # The token travels in the environment, not on the command line where `ps` would show it.
+    lab_env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_PATH": config_path,
+               "JUPYTER_RUNTIME_DIR": str(state / "runtime"), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=root, env=lab_env, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with code {proc.returncode} before answering on {base}")
+        try:
+            with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                proc.state_dir = state  # so stop_lab can remove it
+                return base, token, proc
+        except OSError:
+            time.sleep(0.5)
+    stop_lab(proc)
+    raise RuntimeError(f"jupyter lab did not answer on {base} within {timeout:.0f} s")
+
+
+def stop_lab(proc: subprocess.Popen) -> int:
+    """End Lab with its kernels and everything they started; returns how many processes were ended."""
+    from course.launcher import kill_tree
+
+    ended = kill_tree(proc.pid)
+    state = getattr(proc, "state_dir", None)
+    if state and Path(state).name.startswith("course-lab-"):  # only the temporary folder we made
+        shutil.rmtree(state, ignore_errors=True)
+    return ended
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Start JupyterLab on the course notebooks (127.0.0.1 only).")
+    parser.add_argument("--port", type=int, default=8888, help="preferred port (another free one if taken)")
+    parser.add_argument("--no-browser", action="store_true", help="only print the URL")
+    args = parser.parse_args(argv)
+    # `kill` / a closing terminal: end Lab and its kernels too, not only this process (Lab has its own session).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    base, token, proc = start_lab(port=free_port(args.port))
+    url = lab_url(int(base.rsplit(":", 1)[1]), token)
+    print(f"\nJupyterLab is running. Open this URL (it carries the login token):\n\n    {url}\n\n"
+          "Press Ctrl+C to stop it (its kernels and their runs stop too).\n", flush=True)
+    if not args.no_browser:
+        webbrowser.open(url)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        print("\nstopping JupyterLab ...")
+    finally:
+        stop_lab(proc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Execute the course's notebooks in order, headless, and print a summary.
+
+    python -m course.run_notebooks                 # every notebooks/*.ipynb
+    python -m course.run_notebooks 00 03           # those whose name starts so
+    COURSE_QUICK=1 python -m course.run_notebooks  # the quick course
+
+Executed copies go to build/notebooks/ (git-ignored), signed so that JupyterLab trusts them and
+renders their inline TensorBoard. The summary's figures are read from the metrics.json files
+that the notebook's runs wrote.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbformat.sign import NotebookNotary
+
+from course import QUICK, ROOT, RUNS
+
+NOTEBOOKS = ROOT / "notebooks"
+EXECUTED = ROOT / "build" / "notebooks"
+
+
+def execute(path: Path, out_dir: Path = EXECUTED, cell_timeout: int = 1200) -> tuple[bool, float, str]:
+    """Run one notebook in a fresh kernel with notebooks/ as working directory; save the executed copy."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.monotonic()
+    error = ""
+    try:
+        client.execute()
+    except CellExecutionError as exc:  # nbclient stops at the first cell that raises
+        error = str(exc)
+    finally:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        NotebookNotary().sign(nb)  # trusted: Lab will render the TensorBoard iframe and widgets
+        nbformat.write(nb, out_dir / path.name)
+    return not error, time.monotonic() - start, error
+
+
+def runs_written_since(t0: float) -> list[tuple[str, dict]]:
+    found = []
+    for f in sorted(RUNS.rglob("metrics.json")):
+        if f.stat().st_mtime >= t0:
+            found.append((str(f.parent.relative_to(RUNS)), json.loads(f.read_text())))
+    return found
+
+
+def key_figures(metrics: dict) -> str:
+    parts = [f"np={metrics.get('world_size', '?')}", metrics.get("device", "")]
+    for key, fmt in (("val_accuracy", "acc={:.3f}"), ("samples_per_s", "{:.0f} samples/s"),
+                     ("final_train_loss", "loss={:.3f}")):
+        if isinstance(metrics.get(key), (int, float)):
+            parts.append(fmt.format(metrics[key]))
+    return " ".join(p for p in parts if p)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prefixes", nargs="*", help="run only notebooks whose name starts with one of these")
+    args = parser.parse_args(argv)
+    notebooks = sorted(p for p in NOTEBOOKS.glob("*.ipynb")
+                       if not args.prefixes or p.name.startswith(tuple(args.prefixes)))
+    print(f"Executing {len(notebooks)} notebook(s){' in QUICK mode' if QUICK else ''}; copies in "
+          f"{EXECUTED.relative_to(ROOT)}/", flush=True)
+    rows, total = [], time.monotonic()
+    for path in notebooks:
+        print(f"--> {path.name} ...", flush=True)
+        t0 = time.time()
+        ok, seconds, error = execute(path)
+        rows.append((path.name, ok, seconds, runs_written_since(t0)))
+        print(f"    {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
+        if error:
+            print(error[-3000:], flush=True)
+    print("\nSummary")
+    for name, ok, seconds, runs in rows:
+        print(f"  {'ok  ' if ok else 'FAIL'} {seconds:6.0f} s  {name}")
+        for run, metrics in runs:
+            print(f"  {'':17}{run}: {key_figures(metrics)}")
+    failed = [name for name, ok, *_ in rows if not ok]
+    print(f"{len(rows) - len(failed)} of {len(rows)} notebooks ok in {time.monotonic() - total:.0f} s"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

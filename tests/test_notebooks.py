@@ -1,0 +1,69 @@
+"""Notebooks: committed clean, the source of scripts/*.py, and executed headless (quick mode) without error."""
+
+import os
+
+import nbformat
+import pytest
+
+from course import ROOT, SCRIPTS
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+WRITEFILE = "%%writefile ../scripts/"
+
+
+def written_scripts() -> dict[str, tuple[str, str]]:
+    """{script name: (notebook name, exact text %%writefile writes)} over all notebooks."""
+    found = {}
+    for path in NOTEBOOKS:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code" and cell.source.startswith(WRITEFILE):
+                first, _, body = cell.source.partition("\n")
+                name = first[len(WRITEFILE):].strip()
+                assert name not in found, f"{name} is written by two cells"
+                found[name] = (path.name, body if body.endswith("\n") else body + "\n")  # IPython adds the newline
+    return found
+
+
+def test_course_has_its_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS][:4] == ["00", "01", "02", "03"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebook_has_no_outputs(path):
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, f"{path.name} carries outputs"
+
+
+def test_committed_scripts_equal_what_the_notebooks_write():
+    written = written_scripts()
+    assert {"hello_distributed.py", "train_single.py", "train_ddp.py"} <= set(written)
+    for name, (notebook, text) in written.items():
+        assert (SCRIPTS / name).read_text() == text, f"scripts/{name} differs from what {notebook} writes"
+    for path in SCRIPTS.glob("*.py"):
+        assert path.name in written, f"scripts/{path.name} is not written by any notebook"
+
+
+def test_scripts_pass_ruff():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", str(SCRIPTS)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes_headless(path, datasets, tmp_path, monkeypatch):
+    """Run the notebook as `make course` does (quick mode); any cell that raises fails the test."""
+    monkeypatch.setenv("COURSE_QUICK", "1")
+    from course.run_notebooks import execute
+
+    ok, seconds, error = execute(path, out_dir=tmp_path)
+    assert ok, error[-4000:]
+    executed = nbformat.read(tmp_path / path.name, as_version=4)
+    for cell in executed.cells:
+        for output in cell.get("outputs", []):
+            assert output.output_type != "error", f"error output in {path.name}"
+    print(f"{path.name}: {seconds:.0f} s")
