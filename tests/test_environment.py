@@ -33,7 +33,7 @@ DEPRECATED_OR_WRONG = {
     r"torch\.distributed\.launch\b": "deprecated launcher: use torchrun",
     r"torch\.cuda\.amp": "deprecated: use torch.amp",
     r"type\s*=\s*bool": "argparse type=bool cannot be switched off",
-    r"rank\s*=\s*int\(os\.environ\[.LOCAL_RANK.\]\)": "LOCAL_RANK used as the global rank",
+    r"\brank\s*=\s*int\(os\.environ\[.LOCAL_RANK.\]\)": "LOCAL_RANK used as the global rank",
 }
 HARD_CODED = {r"\.cuda\(\)": "hard-coded CUDA device", r"backend\s*=\s*['\"]nccl['\"]": "hard-coded nccl"}
 

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from course.widget import launcher_widget
 
 FIXTURE = Path(__file__).parent / "fixtures" / "slow_ranks.py"

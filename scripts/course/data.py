@@ -102,8 +102,9 @@ def _dandelion(pen, rng):
     colour = (235, 235, 225) if seed_head else (250, 205, 25)
     for length, shade in ((1.0, 10), (0.85, -15), (0.6, -45)):  # long outer rays, darker inner ones
         angles = rng.uniform(0, 2 * np.pi, rng.integers(25, 45))
-        ends = length * rng.uniform(0.6, 1.0, (len(angles), 1)) * np.stack([np.cos(angles), np.sin(angles)], 1)
-        rays = np.insert(ends, np.arange(len(ends) + 1), 0.0, axis=0)  # centre, end, centre, end, ...: one call
+        directions = np.stack([np.cos(angles), np.sin(angles)], 1)
+        ends = length * rng.uniform(0.6, 1.0, (len(angles), 1)) * directions
+        rays = np.insert(ends, np.arange(len(ends) + 1), 0.0, axis=0)  # centre, end, centre, ...: one call
         pen.line(rays, _jitter(rng, np.add(colour, shade), 15), 0.05)
     core = (130, 100, 60) if seed_head else (225, 160, 10)
     pen.poly(_circle(0, 0, rng.uniform(0.1, 0.25)), _jitter(rng, core))
@@ -113,12 +114,14 @@ def _rose(pen, rng):
     palette = [(200, 25, 45), (215, 40, 70), (235, 120, 155), (240, 200, 60), (245, 150, 60)]
     colour = np.array(palette[rng.choice(5, p=[0.4, 0.25, 0.2, 0.08, 0.07])])
     dark = tuple(int(v) for v in colour * 0.55)
-    for k in range(n := rng.integers(5, 8)):  # outer petals
+    n = rng.integers(5, 8)
+    for k in range(n):  # outer petals
         pen.poly(_rotate(_petal(1.0, 0.9), 2 * np.pi * k / n), _jitter(rng, colour * 0.85, 12))
     pen.poly(_circle(0, 0, 0.72), _jitter(rng, colour, 12))
     turns = rng.uniform(2.5, 4.0)  # the concentric swirl that makes a rose a rose
     t = np.linspace(0, 1, 60)
-    spiral = 0.68 * (1 - t)[:, None] * np.stack([np.cos(2 * np.pi * turns * t), np.sin(2 * np.pi * turns * t)], 1)
+    angle = 2 * np.pi * turns * t
+    spiral = 0.68 * (1 - t)[:, None] * np.stack([np.cos(angle), np.sin(angle)], 1)
     pen.line(spiral, dark, rng.uniform(0.05, 0.09))
 
 
@@ -157,7 +160,8 @@ _BACKGROUNDS = {  # (top colour, bottom colour): grass, sky, soil, foliage
 
 
 def _background(rng, w, h):
-    top, bottom = (np.array(_jitter(rng, c, 25), np.float32) for c in list(_BACKGROUNDS.values())[rng.integers(4)])
+    colours = list(_BACKGROUNDS.values())[rng.integers(len(_BACKGROUNDS))]
+    top, bottom = (np.array(_jitter(rng, c, 25), np.float32) for c in colours)
     t = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
     gradient = top * (1 - t) + bottom * t + np.zeros((1, w, 1), np.float32)
     # low-frequency colour blotches: cheap stand-in for out-of-focus scenery
@@ -170,10 +174,11 @@ def _clutter(draw, rng, w, h, count):
     """Leaves and blobs: some behind the flower, a few in front of it (occlusion)."""
     for _ in range(count):
         x, y, r = rng.uniform(0, w), rng.uniform(0, h), rng.uniform(0.05, 0.2) * min(w, h)
-        colour = (rng.integers(20, 90), rng.integers(70, 150), rng.integers(20, 70)) if rng.random() < 0.6 \
-            else tuple(rng.integers(40, 200, 3))
-        draw.polygon([tuple(p) for p in _rotate(_petal(2 * r, r * rng.uniform(0.4, 1.0)), rng.uniform(0, 6.3))
-                      + (x, y)], fill=tuple(int(v) for v in colour))
+        leafy = rng.random() < 0.6
+        colour = (rng.integers(20, 90), rng.integers(70, 150), rng.integers(20, 70)) if leafy \
+            else rng.integers(40, 200, 3)
+        outline = _rotate(_petal(2 * r, r * rng.uniform(0.4, 1.0)), rng.uniform(0, 2 * np.pi)) + (x, y)
+        draw.polygon([tuple(p) for p in outline], fill=tuple(int(v) for v in colour))
 
 
 def make_flower_image(name: str, rng: np.random.Generator) -> Image.Image:
@@ -236,7 +241,7 @@ def _strokes(*parts):
 
 
 # Hand-drawn stroke skeletons in a unit box (x right, y down), two styles per digit. Drawing them
-# ourselves (instead of with system fonts) keeps the data identical wherever it is generated.
+# ourselves, rather than with fonts, keeps the data independent of what fonts a machine has.
 _DIGIT_STYLES = {
     0: [_strokes(_arc(.5, .5, .3, .45, 0, 360)), _strokes(_arc(.5, .5, .24, .45, -80, 285))],
     1: [_strokes([(.5, .05), (.5, .95)]), _strokes([(.3, .22), (.52, .05), (.52, .95)])],
@@ -275,7 +280,7 @@ def _render_glyphs(rng, variants):
                 width = int(rng.integers(3, 11))
                 for stroke in strokes:
                     warped = stroke + amp * np.sin(stroke @ k.T + phase)
-                    # digit box ~20x40 of 56, so the 28-px digit is ~20 px tall as in MNIST
+                    # the unit box becomes 40 of 56 px: digits ~20 px tall at 28 px, as in MNIST
                     xy = [(8 + 40 * x, 8 + 40 * y) for x, y in warped]
                     draw.line(xy, fill=255, width=width, joint="curve")
                     for x, y in (xy[0], xy[-1]):  # round pen tips
@@ -333,7 +338,8 @@ def generate_mnist(root: Path, n_train: int = 60000, n_val: int = 10000, seed: i
 # ------------------------------------------------------------------------------------------ setup
 
 
-def ensure_datasets(data_dir: Path = DATA_DIR, names=DATASETS, quiet: bool = False, force: bool = False) -> None:
+def ensure_datasets(data_dir: Path = DATA_DIR, names=DATASETS, quiet: bool = False,
+                    force: bool = False) -> None:
     """Generate each named dataset under data_dir unless its .complete marker is present."""
     generators = {"flowers": generate_flowers, "mnist": generate_mnist}
     for name in names:
@@ -398,11 +404,13 @@ def _flowers(root: Path, image_size: int):
     try:
         folder = datasets.ImageFolder(root, loader=load_image)
     except FileNotFoundError as error:  # no class subfolders, or no images in them
-        raise DatasetError(f"flowers folder {root} has no class subfolders with images ({error}); {hint}.") from error
+        raise DatasetError(
+            f"flowers folder {root} has no class subfolders with images ({error}); {hint}.") from error
     normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     train_tf = transforms.Compose([transforms.RandomResizedCrop(image_size, scale=(0.5, 1.0)),
                                    transforms.RandomHorizontalFlip(), *normalize])
-    val_tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), *normalize])
+    val_tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                                 *normalize])
     train_idx, val_idx = split_indices(len(folder))
     return _View(folder, train_idx, train_tf), _View(folder, val_idx, val_tf), len(folder.classes)
 
@@ -448,7 +456,8 @@ def build_datasets(name: str, data_dir: str | Path | None = None,
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Generate the course's offline datasets.")
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR, help="where to write (default: %(default)s)")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR,
+                        help="where to write (default: %(default)s)")
     parser.add_argument("--only", choices=DATASETS, help="generate just this dataset")
     parser.add_argument("--force", action="store_true", help="regenerate even if already present")
     args = parser.parse_args(argv)

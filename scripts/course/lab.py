@@ -45,14 +45,16 @@ def lab_url(port: int, token: str, path: str = FIRST_NOTEBOOK, workspace: str | 
     return f"http://127.0.0.1:{port}{prefix}/tree/{path}{query}"
 
 
-def start_lab(root=ROOT, port: int | None = None, token: str | None = None, state_dir=None,
-              settings: dict | None = None, env: dict | None = None, log=None, timeout: float = 90):
+def start_lab(root=ROOT, port: int | None = None, token: str | None = None, *, isolated: bool = False,
+              state_dir=None, settings: dict | None = None, env: dict | None = None, log=None,
+              timeout: float = 90):
     """Start ``jupyter lab`` serving ``root`` on 127.0.0.1 and wait until it answers.
 
-    state_dir: where Lab keeps this server's config, user settings and workspaces (default: a new
-      temporary folder), so that nothing is written to ~/.jupyter and tests start from a clean slate.
-    settings: user settings to start from, e.g. ``{"@jupyterlab/docmanager-extension:plugin":
-      {"autosave": False}}``. Returns ``(base_url, token, process)``; stop it with ``stop_lab``.
+    Returns ``(base_url, token, process)``; stop it with ``stop_lab``.
+    state_dir: this server's own files (page config, runtime files; default: a new temporary folder).
+    isolated: keep user settings and workspaces in state_dir too, not in ~/.jupyter/lab, so that a
+      test starts from a clean slate and leaves nothing behind. settings: user settings to start
+      from (isolated only), e.g. ``{"@jupyterlab/docmanager-extension:plugin": {"autosave": False}}``.
     """
     port = port or free_port()
     token = token or secrets.token_hex(24)
@@ -61,15 +63,18 @@ def start_lab(root=ROOT, port: int | None = None, token: str | None = None, stat
     # JUPYTER_CONFIG_PATH: no `jupyter labextension disable`, nothing written outside state_dir.
     (state / "config" / "labconfig").mkdir(parents=True, exist_ok=True)
     (state / "config" / "labconfig" / "page_config.json").write_text(json.dumps(NO_NEWS))
-    for plugin, values in (settings or {}).items():
-        package, name = plugin.split(":")
-        path = state / "settings" / package / f"{name}.jupyterlab-settings"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(values))
     config_path = os.pathsep.join(filter(None, [str(state / "config"), os.environ.get("JUPYTER_CONFIG_PATH")]))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}",
-           f"--LabApp.user_settings_dir={state / 'settings'}", f"--LabApp.workspaces_dir={state / 'workspaces'}"]
+           "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}"]
+    if isolated:
+        cmd += [f"--LabApp.user_settings_dir={state / 'settings'}", f"--LabApp.workspaces_dir={state / 'workspaces'}"]
+        for plugin, values in (settings or {}).items():
+            package, name = plugin.split(":")
+            path = state / "settings" / package / f"{name}.jupyterlab-settings"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+    elif settings:
+        raise ValueError("settings are only applied to an isolated Lab (isolated=True)")
     if os.geteuid() == 0:  # Jupyter refuses to run as root without it (containers, CI)
         cmd.append("--allow-root")
     # The token travels in the environment, not on the command line where `ps` would show it.

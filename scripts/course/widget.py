@@ -59,8 +59,8 @@ class LauncherPanel(widgets.VBox):
         wide = {"description_width": "initial"}
         self.script = widgets.Dropdown(options=_script_options(script), value=_script_value(script),
                                        description="script", layout={"width": "340px"})
-        self.backend = widgets.ToggleButtons(options=["auto", "gloo", "nccl"], value=backend,
-                                             description="backend", style={"button_width": "60px"})
+        self.backend = widgets.Dropdown(options=["auto", "gloo", "nccl"], value=backend, description="backend",
+                                        layout={"width": "180px"})
         self.nproc = widgets.BoundedIntText(value=nproc, min=1, max=256, description="processes",
                                             style=wide, layout={"width": "150px"})
         self.epochs = widgets.IntText(value=epochs, description="epochs", style=wide, layout={"width": "120px"},
@@ -188,7 +188,7 @@ class LauncherPanel(widgets.VBox):
             stopped = self.stop_event.is_set()
             status = "stopped: every process was ended" if stopped else f"failed: {str(err).splitlines()[0]}"
             colour, bar = ("#e65100", "warning") if stopped else ("#c62828", "danger")
-        except Exception as err:  # anything else must still reach the user, not vanish in a thread
+        except Exception as err:  # noqa: BLE001 -- anything else must reach the user, not vanish in a thread
             status, colour, bar = f"error: {type(err).__name__}: {err}", "#c62828", "danger"
         done.set()
         painter.join()
@@ -258,7 +258,7 @@ def _render(lines) -> str:
         label = f"[{tag}]:" if tag else ""
         rows.append(f'<span style="color:{colour}">{html.escape(label + text)}</span>')
     # column-reverse keeps the box scrolled to the newest line while output arrives.
-    return ('<div class="course-launcher-log" style="height:260px;overflow:auto;display:flex;'
+    return ('<div class="course-launcher-log" style="max-height:260px;overflow:auto;display:flex;'
             'flex-direction:column-reverse;border:1px solid #ddd;padding:2px 6px;background:#fafafa">'
             f'<pre style="margin:0;font-size:12px;line-height:1.3">{chr(10).join(rows) or "(no output yet)"}'
             '</pre></div>')
@@ -266,15 +266,19 @@ def _render(lines) -> str:
 
 def _script_options(current) -> list[tuple[str, str]]:
     options = [(p.name, p.name) for p in sorted(SCRIPTS.glob("*.py"))]
-    if _script_value(current) not in {v for _, v in options}:
-        options.append((_short(current), _script_value(current)))  # e.g. a test fixture elsewhere
+    value = _script_value(current)
+    if value not in {v for _, v in options}:
+        options.append((_short(value), value))  # e.g. a test fixture elsewhere
     return options
 
 
 def _script_value(script) -> str:
     """A course script by its name (as the dropdown lists it), anything else by its full path."""
-    path = Path(script)
-    return path.name if path.parent in (SCRIPTS, Path()) else str(script)
+    try:
+        path = resolve_script(script)
+    except FileNotFoundError:
+        return str(script)  # refused, with the reason, when Launch is clicked
+    return path.name if path.resolve().parent == SCRIPTS else str(path.resolve())
 
 
 def _short(path) -> str:

@@ -1,0 +1,108 @@
+"""Helpers for the real-browser tests: Debian's Chromium driven by Playwright, JupyterLab from course.lab."""
+import io
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+CHROMIUM = Path("/usr/bin/chromium")
+# No GPU, no sandbox (containers run as root), and no calls home: the machine may be offline.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+ARTIFACTS = Path(__file__).parent / "artifacts"
+# Lab settings for the tests: never write outputs into the repository's notebooks (no autosave),
+# and keep every cell in the page so that cells below the fold can be read.
+LAB_SETTINGS = {
+    "@jupyterlab/docmanager-extension:plugin": {"autosave": False},
+    "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
+}
+ERROR_OUTPUT = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
+    """condition()'s first truthy value; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def processes_with(fragment: str) -> list[str]:
+    """Command lines of live processes that mention ``fragment`` (e.g. a script's file name)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if fragment in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(f"{proc.pid}: {cmdline[:160]}")
+    return found
+
+
+def open_notebook(page, url: str):
+    """Open a notebook URL and wait until its kernel is connected."""
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    wait_until(lambda: "Idle" in (page.locator(".jp-StatusBar-TextItem", has_text="|").first.text_content()
+                                  or ""), 90, "the notebook's kernel to start")
+
+
+def run_all(page):
+    """Menu Run > Run All Cells, as a student would."""
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
+
+
+def prompts(page) -> list[str]:
+    return [p.strip() for p in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+
+
+def wait_for_run_all(page, timeout: float) -> list[str]:
+    """Wait until no cell is queued or running ([*]); returns the prompts, e.g. ['[1]:', '[2]:']."""
+    def finished():
+        shown = prompts(page)
+        executed = [p for p in shown if p[1:-2].isdigit()]
+        busy = any("*" in p for p in shown)
+        errors = page.locator(ERROR_OUTPUT).count()
+        # Run All stops at an error: the cells after it are never run, so stop waiting too.
+        return shown if executed and not busy and (len(executed) == len(shown) or errors) else None
+
+    return wait_until(finished, timeout, "Run All to finish", poll=1)
+
+
+def error_texts(page) -> list[str]:
+    return [t for t in page.locator(ERROR_OUTPUT).all_inner_texts()
+            if "Traceback" in t or "Error" in t]
+
+
+def shutdown_kernels(base: str, token: str) -> int:
+    """Shut every kernel of this Lab down (and with them what they started, e.g. TensorBoard)."""
+    with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=10) as reply:
+        sessions = json.load(reply)
+    for session in sessions:
+        request = urllib.request.Request(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(request, timeout=30).close()
+    return len(sessions)
+
+
+def dark_pixels(png: bytes, threshold: int = 140) -> int:
+    """Pixels darker than ``threshold``: on TensorBoard's white plot area these are the drawn lines."""
+    from PIL import Image
+
+    gray = Image.open(io.BytesIO(png)).convert("L")
+    return sum(count for value, count in enumerate(gray.histogram()) if value < threshold)
+
+
+def write_notebook(path: Path, *sources: str):
+    """A minimal nbformat-4 notebook with one code cell per source."""
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": s}
+             for s in sources]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "cells": cells, "nbformat": 4, "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    }, indent=1))

@@ -1,0 +1,200 @@
+"""Tests for course.data: deterministic generation, splits, error messages and learnability."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from course import data
+
+torch.set_num_threads(2)
+
+
+def file_bytes(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.jpg"))}
+
+
+@pytest.fixture(scope="module")
+def flowers_600(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flowers")
+    data.generate_flowers(root, n_images=600)
+    return root
+
+
+@pytest.fixture(scope="module")
+def mnist_12k(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mnist")
+    data.generate_mnist(root, n_train=12000, n_val=2000)
+    return root
+
+
+# ---------------------------------------------------------------------------------------- generation
+
+
+def test_class_counts_match_flower_photos_and_scale_proportionally():
+    assert data.flower_class_counts(3670) == data.FLOWER_CLASSES
+    total = sum(data.FLOWER_CLASSES.values())
+    for n in (5, 60, 600, 1001):
+        counts = data.flower_class_counts(n)
+        assert sum(counts.values()) == n
+        for name, count in counts.items():
+            assert abs(count - n * data.FLOWER_CLASSES[name] / total) < 1
+
+
+def test_flowers_are_deterministic_jpegs_in_flower_photos_layout(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    data.generate_flowers(a, n_images=60, seed=0)
+    data.generate_flowers(b, n_images=60, seed=0)
+    data.generate_flowers(c, n_images=60, seed=1)
+    assert file_bytes(a) == file_bytes(b)
+    assert file_bytes(a).keys() == file_bytes(c).keys()
+    assert all(file_bytes(a)[k] != v for k, v in file_bytes(c).items())
+    assert (a / data.MARKER).exists()
+    assert sorted(p.name for p in a.iterdir() if p.is_dir()) == sorted(data.FLOWER_CLASSES)
+    for name, count in data.flower_class_counts(60).items():
+        files = sorted((a / name).glob("*.jpg"))
+        assert [f.name for f in files] == [f"{name}_{i:05d}.jpg" for i in range(count)]
+        with Image.open(files[0]) as image:
+            assert image.format == "JPEG" and image.mode == "RGB"
+            assert all(80 <= side <= 128 for side in image.size)
+
+
+def test_mnist_is_deterministic_and_mnist_shaped(tmp_path):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        data.generate_mnist(tmp_path / name, n_train=300, n_val=100, seed=seed)
+    a, b, c = (np.load(tmp_path / name / "mnist.npz") for name in "abc")
+    for key in ("train_images", "train_labels", "val_images", "val_labels"):
+        assert np.array_equal(a[key], b[key])
+    assert not np.array_equal(a["train_images"], c["train_images"])
+    assert a["train_images"].shape == (300, 28, 28) and a["train_images"].dtype == np.uint8
+    assert a["val_images"].shape == (100, 28, 28)
+    assert a["train_labels"].dtype == np.int64 and set(a["train_labels"]) == set(range(10))
+    assert a["train_images"].max() > 200 and np.median(a["train_images"]) == 0  # ink on black
+    assert (tmp_path / "a" / data.MARKER).exists()
+
+
+def test_ensure_datasets_generates_missing_or_partial_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "generate_flowers", functools.partial(data.generate_flowers, n_images=10))
+    monkeypatch.setattr(data, "generate_mnist", functools.partial(data.generate_mnist, n_train=50, n_val=10))
+    (tmp_path / "mnist").mkdir()
+    (tmp_path / "mnist" / "leftover.tmp").touch()  # a half-written folder: no marker
+    data.ensure_datasets(tmp_path)
+    assert not (tmp_path / "mnist" / "leftover.tmp").exists()
+    assert (tmp_path / "flowers" / data.MARKER).exists() and (tmp_path / "mnist" / "mnist.npz").exists()
+    assert capsys.readouterr().out.count("generated in") == 2
+    data.main(["--data-dir", str(tmp_path), "--only", "mnist"])
+    assert "already present" in capsys.readouterr().out
+    data.main(["--data-dir", str(tmp_path), "--only", "mnist", "--force"])
+    assert "generated in" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def test_split_indices_is_stable_disjoint_and_complete():
+    train, val = data.split_indices(101)
+    assert (train, val) == data.split_indices(101)
+    assert len(val) == 20 and set(train).isdisjoint(val) and sorted(train + val) == list(range(101))
+    assert data.split_indices(101, seed=1) != (train, val)
+
+
+def test_build_flowers(flowers_600, monkeypatch):
+    train, val, num_classes = data.build_datasets("flowers", flowers_600, image_size=40)
+    assert (len(train), len(val), num_classes) == (480, 120, 5)
+    image, label = train[0]
+    assert image.shape == (3, 40, 40) and image.dtype == torch.float32 and 0 <= label < 5
+    assert torch.equal(val[3][0], val[3][0])  # val transform is deterministic
+    monkeypatch.setenv("COURSE_FLOWERS_DIR", str(flowers_600))  # the one setting for real data
+    assert len(data.build_datasets("flowers")[1]) == 120
+
+
+def test_build_mnist(mnist_12k):
+    train, val, num_classes = data.build_datasets("mnist", mnist_12k)
+    assert (len(train), len(val), num_classes) == (12000, 2000, 10)
+    image, label = train[0]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.float32 and label.dtype == torch.int64
+    assert abs(train.tensors[0].mean().item()) < 0.5  # normalized
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty", "loose_files", "empty_class_folders"])
+def test_unusable_flower_folders_raise_a_clear_error(tmp_path, layout):
+    root = tmp_path / "flowers"
+    if layout != "missing":
+        root.mkdir()
+    if layout == "loose_files":
+        Image.new("RGB", (8, 8)).save(root / "a.jpg")
+    if layout == "empty_class_folders":
+        (root / "daisy").mkdir()
+    with pytest.raises(data.DatasetError, match="make data") as error:
+        data.build_datasets("flowers", root)
+    assert str(root) in str(error.value)
+
+
+def test_corrupt_image_fails_naming_the_file(tmp_path):
+    data.generate_flowers(tmp_path, n_images=10)
+    bad = tmp_path / "roses" / "roses_00000.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
+    train, val, _ = data.build_datasets("flowers", tmp_path)
+    with pytest.raises(data.DatasetError, match="unreadable image") as error:
+        [item for item in train] + [item for item in val]
+    assert str(bad) in str(error.value)
+
+
+def test_missing_default_mnist_says_run_make_data(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    monkeypatch.delenv("COURSE_MNIST_DIR", raising=False)
+    with pytest.raises(data.DatasetError, match="make data"):
+        data.build_datasets("mnist")
+
+
+def test_unknown_dataset_name():
+    with pytest.raises(data.DatasetError, match="unknown dataset"):
+        data.build_datasets("cifar")
+
+
+# ------------------------------------------------------------------------------------- learnability
+
+
+def accuracy(model, loader):
+    model.eval()
+    with torch.no_grad():
+        correct = sum((model(x).argmax(1) == y).sum().item() for x, y in loader)
+    model.train()
+    return correct / len(loader.dataset)
+
+
+def train(model, loader, epochs, optimizer):
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+
+def test_mlp_learns_mnist_in_one_epoch(mnist_12k):
+    torch.manual_seed(0)
+    train_set, val_set, _ = data.build_datasets("mnist", mnist_12k)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    optimizer = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    train(model, DataLoader(train_set, 64, shuffle=True), 1, optimizer)
+    assert 0.9 < accuracy(model, DataLoader(val_set, 1000)) < 1.0
+
+
+def test_small_cnn_learns_flowers(flowers_600):
+    torch.manual_seed(0)
+    train_set, val_set, num_classes = data.build_datasets("flowers", flowers_600, image_size=32)
+
+    def block(c_in, c_out):
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        return nn.Sequential(conv, nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2))
+
+    model = nn.Sequential(block(3, 16), block(16, 32), block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(64, num_classes))
+    train(model, DataLoader(train_set, 32, shuffle=True), 6, torch.optim.Adam(model.parameters(), 3e-3))
+    assert accuracy(model, DataLoader(val_set, 120)) > 0.5  # chance is 0.2

@@ -1,0 +1,71 @@
+"""DataParallel (notebook 02): train_dp.py under the launcher, its checkpoint, and the properties the
+notebook demonstrates (manual DP gives the full-batch gradient; on CPU DP is a silent pass-through)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from course.checkpoint import load_checkpoint
+from course.launcher import launch
+from course.models import mlp
+
+
+def test_train_dp_runs_as_one_process_and_saves_plain_keys(datasets, tmp_path):
+    checkpoint = tmp_path / "train_dp.pt"
+    result = launch("train_dp.py", nproc=1, timeout=300, run_dir=tmp_path / "run", quiet=True,
+                    on_line=lambda _: None,
+                    args=["--dataset", "mnist", "--epochs", 1, "--max-steps", 40, "--log-every", 10,
+                          "--checkpoint", checkpoint])
+    m = result.metrics
+    assert m["script"] == "train_dp" and m["world_size"] == 1 and m["steps"] == 40
+    assert m["dp_device_ids"] == list(range(torch.cuda.device_count()))
+    assert 0.5 < m["val_accuracy"] <= 1.0 and m["val_total"] == 10000
+    assert "DataParallel device_ids=" in result.output
+
+    state = load_checkpoint(checkpoint)
+    assert state["step"] == 40
+    assert not [key for key in state["model"] if key.startswith("module.")]
+    mlp().load_state_dict(state["model"])  # strict: a plain model takes the checkpoint as it is
+
+
+@pytest.mark.parametrize("devices,batch", [(2, 64), (4, 64), (3, 10)])  # (3, 10): uneven chunks 4, 4, 2
+def test_manual_data_parallel_step_gives_the_full_batch_gradient(devices, batch):
+    """Notebook 02's hand-made DP step: chunk, copy, forward, concatenate, one loss, sum the gradients."""
+    torch.manual_seed(0)
+    images, labels = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    master = mlp()
+    single = copy.deepcopy(master)
+    nn.functional.cross_entropy(single(images), labels).backward()
+
+    chunks = torch.chunk(images, devices)
+    replicas = [copy.deepcopy(master) for _ in chunks]
+    outputs = torch.cat([replica(chunk) for replica, chunk in zip(replicas, chunks)])
+    nn.functional.cross_entropy(outputs, labels).backward()
+    for name, param in master.named_parameters():
+        param.grad = sum(dict(replica.named_parameters())[name].grad for replica in replicas)
+
+    gap = max((p.grad - q.grad).abs().max().item() for p, q in zip(master.parameters(), single.parameters()))
+    assert gap <= 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="the pass-through happens only without GPUs")
+def test_dataparallel_without_gpus_is_a_silent_pass_through_with_prefixed_keys():
+    plain = mlp()
+    images = torch.randn(8, 1, 28, 28)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = nn.DataParallel(plain)
+        out = wrapped(images)
+    assert wrapped.device_ids == [] and caught == []
+    assert torch.equal(out, plain(images))
+
+    state = wrapped.state_dict()
+    assert all(key.startswith("module.") for key in state)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        mlp().load_state_dict(state)
+    consume_prefix_in_state_dict_if_present(state, "module.")
+    mlp().load_state_dict(state)
