@@ -1,13 +1,15 @@
 """Helpers for the real-browser tests: Debian's Chromium driven by Playwright, JupyterLab from course.lab."""
 import io
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 
-CHROMIUM = Path("/usr/bin/chromium")
+# Debian's package; COURSE_CHROMIUM points elsewhere (another distribution's path, a local build).
+CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))
 # No GPU, no sandbox (containers run as root), and no calls home: the machine may be offline.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]

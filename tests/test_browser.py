@@ -39,7 +39,7 @@ SCRATCH = ARTIFACTS / "widget_scratch.ipynb"  # inside Lab's root (the repo), gi
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     if not CHROMIUM.exists():
-        pytest.skip("chromium not installed: apt-get install chromium (CI's .ci/run does this)")
+        pytest.skip(f"chromium not installed ({CHROMIUM} missing): apt-get install chromium (CI's .ci/run does this)")
     from course.lab import start_lab, stop_lab
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -94,6 +94,7 @@ def workspace_url(lab, path: str) -> str:
     return f"{lab.base}/lab/workspaces/t{uuid.uuid4().hex[:8]}/tree/{path}?reset&token={lab.token}"
 
 
+@pytest.mark.timeout(420)  # a hard stop if Lab or Chromium hangs; the fixtures still end every process
 def test_notebook_00_run_all(page, lab):
     start = time.monotonic()
     open_notebook(page, workspace_url(lab, "notebooks/00_environment.ipynb"))
@@ -123,6 +124,7 @@ def test_notebook_00_run_all(page, lab):
     print(f"notebook 00 Run All + TensorBoard check: {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.timeout(300)
 def test_launcher_widget_launch_and_stop(page, lab, tmp_path):
     start = time.monotonic()
     write_notebook(SCRATCH, "from course.widget import launcher_widget\n\n"

@@ -1,4 +1,5 @@
 """The launcher widget without a browser: refusals, a live 2-rank run, Stop leaves no process behind."""
+import html
 import re
 import time
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 from course.widget import launcher_widget
 
 FIXTURE = Path(__file__).parent / "fixtures" / "slow_ranks.py"
+pytestmark = pytest.mark.timeout(120)
 
 
 def fixture_processes() -> list[psutil.Process]:
@@ -28,7 +30,7 @@ def wait_for(condition, timeout: float, what: str):
 
 
 def text_of(panel) -> str:
-    return re.sub(r"<[^>]+>", "", panel.output.value)
+    return html.unescape(re.sub(r"<[^>]+>", "", panel.output.value))
 
 
 @pytest.fixture
@@ -46,6 +48,22 @@ def test_controls(panel):
     assert not panel.epochs.disabled and not panel.max_steps.disabled  # the fixture has both flags
     assert panel.command_args() == ["--epochs", "1", "--max-steps", "400", "--step-seconds", "0.1"]
     assert panel.stop_button.disabled and not panel.launch_button.disabled
+
+
+def test_output_is_split_by_rank_and_tqdm_redraws_collapse(panel):
+    # What torchrun --tee really delivers (seen on this machine): tqdm's "\r" redraws arrive as
+    # fragments, and another rank's line can be glued to rank 0's unfinished one.
+    for chunk in ["[rank0]:\n", "[rank0]:epoch 1:   0%|          | 0/12 [00:00<?, ?it/s][rank0]:\n",
+                  "[rank0]:epoch 1:  75%|███████▌  | 9/12 [00:01<00:00,  4.96it/s][rank1]:rank 1: epoch 1 done\n",
+                  "[launcher] exit code 0 after 7.1 s\n"]:
+        panel._feed(chunk)
+    panel._paint()
+    assert text_of(panel).splitlines() == [
+        "[rank0]:epoch 1:  75%|███████▌  | 9/12 [00:01<00:00,  4.96it/s]",
+        "[rank1]:rank 1: epoch 1 done",
+        "[launcher] exit code 0 after 7.1 s",
+    ]
+    assert (panel.progress.value, panel.progress.max, panel.progress.description) == (9, 12, "epoch 1")
 
 
 def test_refuses_nccl_without_gpus(panel):
