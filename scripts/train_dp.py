@@ -8,6 +8,7 @@
 DataParallel does nothing (device_ids == []): the run is train_single.py's, with "module." keys.
 """
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def evaluate(model, loader, device):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # DP: N processes would each train a model of their own
+        raise SystemExit(f"error: {NAME} is one process for all GPUs; launch it with --nproc-per-node=1")
     device = pick_device()  # DP: the first GPU, "device 0", if there is one; it holds the model
     torch.manual_seed(args.seed)  # the same initial weights on every run
 

@@ -69,3 +69,11 @@ def test_dataparallel_without_gpus_is_a_silent_pass_through_with_prefixed_keys()
         mlp().load_state_dict(state)
     consume_prefix_in_state_dict_if_present(state, "module.")
     mlp().load_state_dict(state)
+
+
+def test_train_dp_refuses_more_than_one_process(datasets, tmp_path):
+    result = launch("train_dp.py", nproc=2, timeout=120, run_dir=tmp_path / "run", check=False, quiet=True,
+                    on_line=lambda _: None, args=["--max-steps", 1, "--checkpoint", tmp_path / "never.pt"])
+    assert result.returncode != 0
+    assert "one process for all GPUs" in result.output
+    assert not (tmp_path / "never.pt").exists()

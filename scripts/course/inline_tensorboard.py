@@ -10,6 +10,7 @@ kill it, and it carries a watchdog that exits when the notebook kernel that star
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,8 +73,7 @@ def show(logdir, height: int = 520):
     info = start(logdir)
     notebook.display(port=info.port, height=height)
     where = os.environ.get("TENSORBOARD_PROXY_URL", "http://127.0.0.1:%PORT%/").replace("%PORT%", str(info.port))
-    print(f"TensorBoard for {Path(info.logdir).relative_to(ROOT) if info.logdir.startswith(str(ROOT)) else info.logdir}"
-          f" at {where} (pid {info.pid})")
+    print(f"(open it in its own tab: {where})")
     return info
 
 
@@ -82,10 +82,9 @@ def stop(logdir=None) -> int:
     infos = running(logdir)
     for info in infos:
         try:
-            psutil.Process(info.pid).terminate()
+            psutil.Process(info.pid).terminate()  # its SIGTERM handler removes its info file
         except psutil.Error:
             pass
-        manager.remove_info_file(info.pid)
     return len(infos)
 
 
@@ -144,12 +143,16 @@ def _serve() -> None:
     parser.add_argument("--parent", type=int, required=True)
     ours, rest = parser.parse_known_args()
 
-    def watch():
-        while psutil.pid_exists(ours.parent):
-            time.sleep(2)
-        manager.remove_info_file(os.getpid())
+    def leave(*_):
+        manager.remove_info_file()  # so that no stale entry points a later show() at a dead port
         os._exit(0)
 
+    def watch():
+        while psutil.pid_exists(ours.parent):
+            time.sleep(1)
+        leave()
+
+    signal.signal(signal.SIGTERM, leave)
     threading.Thread(target=watch, daemon=True).start()
     from tensorboard.main import run_main
 

@@ -1,0 +1,75 @@
+"""Inline TensorBoard: one instance per log directory, reused, in its own session, cleaned up; curves
+read back with TensorBoard's own event reader."""
+
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from course.inline_tensorboard import plot_scalars, read_scalars, running, show, start, stop
+from course.runlog import RunLog
+
+
+@pytest.fixture
+def logdir(tmp_path):
+    log = RunLog(tmp_path / "exp" / "run_a", world_size=1)
+    for step in range(5):
+        log.scalar("train/loss", 1.0 / (step + 1), step)
+    log.finish(val_accuracy=0.5)
+    yield tmp_path / "exp"
+    stop(tmp_path / "exp")
+
+
+def test_scalars_are_read_back_with_tensorboards_reader(logdir):
+    data = read_scalars(logdir)
+    assert list(data) == ["run_a"]
+    assert [round(v, 4) for _, v in data["run_a"]["train/loss"]] == [1.0, 0.5, 0.3333, 0.25, 0.2]
+
+
+def test_plot_scalars_draws_every_tag(logdir, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    data = plot_scalars(logdir)
+    assert set(data["run_a"]) == {"train/loss"}
+
+
+def test_one_instance_per_logdir_reused_and_stopped(logdir):
+    first = start(logdir)
+    again = start(logdir)
+    assert first.pid == again.pid and first.port == again.port
+    assert psutil.Process(first.pid).status() != psutil.STATUS_ZOMBIE
+    with urllib.request.urlopen(f"http://127.0.0.1:{first.port}/data/runs", timeout=10) as reply:
+        assert b"run_a" in reply.read()
+    import os
+
+    assert os.getpgid(first.pid) != os.getpgid(0), "TensorBoard must not be in the kernel's process group"
+    assert stop(logdir) == 1
+    psutil.wait_procs([psutil.Process(first.pid)], timeout=10)
+    assert not psutil.pid_exists(first.pid) or psutil.Process(first.pid).status() == psutil.STATUS_ZOMBIE
+    assert running(logdir) == []
+
+
+def test_tensorboard_exits_when_the_kernel_that_started_it_dies(logdir):
+    code = f"from course.inline_tensorboard import start; print(start({str(logdir)!r}).pid, flush=True)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pid = int(child.stdout.split()[-1])  # the "kernel" has exited by now
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "TensorBoard outlived its kernel"
+        time.sleep(0.5)
+
+
+def test_display_honours_tensorboard_proxy_url(logdir, monkeypatch, capsys):
+    notebook = sys.modules["tensorboard.notebook"]  # the real module (tensorboard.notebook is a lazy proxy)
+    shown = []
+    monkeypatch.setattr(notebook, "_get_context", lambda: notebook._CONTEXT_IPYTHON)  # as inside a kernel
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
+    monkeypatch.setenv("TENSORBOARD_PROXY_URL", "/user/me/proxy/%PORT%/")
+    info = show(logdir)
+    html = shown[0].data
+    assert f'"/user/me/proxy/{info.port}/"' in html and "<iframe" in html
+    assert f"/user/me/proxy/{info.port}/" in capsys.readouterr().out
