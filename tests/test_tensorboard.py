@@ -1,6 +1,7 @@
 """Inline TensorBoard: one instance per log directory, reused, in its own session, cleaned up; curves
 read back with TensorBoard's own event reader."""
 
+import importlib
 import subprocess
 import sys
 import time
@@ -64,7 +65,7 @@ def test_tensorboard_exits_when_the_kernel_that_started_it_dies(logdir):
 
 
 def test_display_honours_tensorboard_proxy_url(logdir, monkeypatch, capsys):
-    notebook = sys.modules["tensorboard.notebook"]  # the real module (tensorboard.notebook is a lazy proxy)
+    notebook = importlib.import_module("tensorboard.notebook")  # the real module, not the lazy proxy
     shown = []
     monkeypatch.setattr(notebook, "_get_context", lambda: notebook._CONTEXT_IPYTHON)  # as inside a kernel
     monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
