@@ -27,6 +27,7 @@ from browser_helpers import (
     wait_until,
     write_notebook,
 )
+
 from course import ROOT
 from course.launcher import kill_tree
 

@@ -6,8 +6,8 @@ import functools
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 from PIL import Image
+from torch import nn
 from torch.utils.data import DataLoader
 
 from course import data

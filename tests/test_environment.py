@@ -19,7 +19,7 @@ def test_environment_yml_pins_match_requirements():
     yml = (ROOT / "environment.yml").read_text()
     pip_section = yml.split("- pip:", 1)[1].splitlines()
     assert requirements and pins(pip_section) == requirements
-    assert re.search(r"^\s*- python=3\.11\s*$", yml, re.M)
+    assert re.search(r"^\s*- python=3\.11\s*$", yml, re.MULTILINE)
     assert requirements["torch"] == "2.14.1" and requirements["torchvision"] == "0.29.1"
 
 

@@ -6,9 +6,9 @@ import sys
 import time
 
 import pytest
+from conftest import processes_running, wait_for_no_processes
 from jupyter_client.manager import start_new_kernel
 
-from conftest import processes_running, wait_for_no_processes
 from course import ROOT
 from course.hardware import cpu_cores
 from course.launcher import LaunchError, launch, plan, root_cause

@@ -56,7 +56,7 @@ def test_one_instance_per_logdir_reused_and_stopped(logdir):
 
 def test_tensorboard_exits_when_the_kernel_that_started_it_dies(logdir):
     code = f"from course.inline_tensorboard import start; print(start({str(logdir)!r}).pid, flush=True)"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     pid = int(child.stdout.split()[-1])  # the "kernel" has exited by now
     deadline = time.monotonic() + 15
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from course.widget import launcher_widget
 
 FIXTURE = Path(__file__).parent / "fixtures" / "slow_ranks.py"

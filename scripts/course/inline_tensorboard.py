@@ -51,11 +51,12 @@ def start(logdir, timeout: float = 60) -> "manager.TensorBoardInfo":
     if live:
         return live[0]
     port = free_port()
-    log = open(Path(logdir) / ".tensorboard.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", MODULE, "--parent", str(os.getpid()),
-         "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "5"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    log = Path(logdir) / ".tensorboard.log"
+    with open(log, "w") as log_file:  # the child keeps its own copy of the file descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", MODULE, "--parent", str(os.getpid()),
+             "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "5"],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [i for i in manager.get_all() if i.pid == proc.pid]
@@ -65,7 +66,7 @@ def start(logdir, timeout: float = 60) -> "manager.TensorBoardInfo":
             break
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"TensorBoard did not start; see {log.name}")
+    raise RuntimeError(f"TensorBoard did not start; see {log}")
 
 
 def show(logdir, height: int = 520):
