@@ -4,6 +4,7 @@ import json
 import os
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -35,13 +36,25 @@ def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
         time.sleep(poll)
 
 
-def processes_with(fragment: str) -> list[str]:
-    """Command lines of live processes that mention ``fragment`` (e.g. a script's file name)."""
+def processes_with(fragment: str, env: dict | None = None) -> list[str]:
+    """Command lines of live processes that mention ``fragment`` (e.g. a script's file name).
+
+    env: only processes whose environment holds these variables, e.g. the marker the test Lab
+    passes on to its kernels and everything they start (an orphan keeps it too). Then another
+    job on the same machine that runs the same script does not count."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = " ".join(proc.info["cmdline"] or ())
-        if fragment in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(f"{proc.pid}: {cmdline[:160]}")
+        if fragment not in cmdline or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if env:
+            try:
+                environ = proc.environ()
+            except psutil.Error:  # ended meanwhile
+                continue
+            if any(environ.get(name) != value for name, value in env.items()):
+                continue
+        found.append(f"{proc.pid}: {cmdline[:160]}")
     return found
 
 
@@ -57,6 +70,21 @@ def run_all(page):
     """Menu Run > Run All Cells, as a student would."""
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
+
+
+def run_cell(page, cell):
+    """Select ``cell`` (a click on its prompt: command mode) and press Shift+Enter, as a student would."""
+    cell.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def wait_for_cell(cell, timeout: float) -> str:
+    """Wait until ``cell`` has run (its prompt shows a number, e.g. '[2]:'); returns the prompt."""
+    def done():
+        prompt = cell.locator(".jp-InputPrompt").inner_text().strip()
+        return prompt if prompt[1:-2].isdigit() else None
+
+    return wait_until(done, timeout, "the cell to run", poll=0.5)
 
 
 def prompts(page) -> list[str]:
@@ -99,12 +127,31 @@ def dark_pixels(png: bytes, threshold: int = 140) -> int:
     return sum(count for value, count in enumerate(gray.histogram()) if value < threshold)
 
 
-def write_notebook(path: Path, *sources: str):
-    """A minimal nbformat-4 notebook with one code cell per source."""
-    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": s}
-             for s in sources]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "cells": cells, "nbformat": 4, "nbformat_minor": 5,
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-    }, indent=1))
+def file_state(path: Path) -> tuple[int, bytes]:
+    """(mtime in ns, content): equal before and after a test = the file was not written."""
+    return path.stat().st_mtime_ns, path.read_bytes()
+
+
+def check_tensorboard(board, tags, runs=(), timeout: float = 60) -> dict[str, int]:
+    """In TensorBoard's frame (a FrameLocator): ``runs`` are listed, and every tag in ``tags`` has a
+    scalar card with a curve (or, for a one-step run, its dots) drawn on it. Returns {tag: dark pixels}."""
+    titles = board.locator("scalar-card tb-truncated-path")
+    titles.first.wait_for(timeout=timeout * 1000)
+    if runs:
+        table = board.locator("runs-data-table")
+        wait_until(lambda: all(run in (table.first.text_content() or "") for run in runs), timeout,
+                   f"TensorBoard to list the runs {list(runs)}")
+    wait_until(lambda: set(tags) <= {titles.nth(i).get_attribute("title") for i in range(titles.count())},
+               timeout, f"TensorBoard cards for {list(tags)}")
+    drawn = {}
+    for tag in tags:
+        card = board.locator("scalar-card", has=board.locator(f'tb-truncated-path[title="{tag}"]'))
+        card.scroll_into_view_if_needed()  # cards below the fold are drawn only once they are seen
+        plot = card.locator("line-chart canvas, line-chart svg.main").first
+        drawn[tag] = wait_until(partial(_drawn, plot), timeout, f"TensorBoard to draw {tag}")
+    return drawn
+
+
+def _drawn(plot, least: int = 50) -> int:
+    count = dark_pixels(plot.screenshot())
+    return count if count > least else 0

@@ -1,10 +1,16 @@
 """JupyterLab in a real browser (headless Chromium): what a student sees, not only what the kernel says.
 
-A: notebook 00, Run All: the 2-rank launch output and TensorBoard's scalar charts inside the page.
-B: the launcher widget: Launch a 2-rank job, live output and progress, Stop, no process left behind.
-Screenshots go to tests/artifacts/. Needs /usr/bin/chromium (CI's .ci/run installs it).
+A: notebooks 00 and 03, Run All: every cell runs without an error, the 2-rank launch output is in the
+   page, and TensorBoard's scalar charts are drawn inside it.
+B: notebook 03's "Try it yourself" launcher panel, run as a student would (the imports cell and that
+   cell only): the real train_ddp.py on 2 ranks, live output and progress, Stop, no process left behind.
+Lab runs with COURSE_QUICK=1 (notebook 03 then takes minutes, not tens of minutes) and without autosave:
+each test checks that its notebook file was not written. Screenshots go to tests/artifacts/.
+Needs /usr/bin/chromium (CI's .ci/run installs it).
 """
+import json
 import re
+import secrets
 import time
 import uuid
 import warnings
@@ -17,15 +23,18 @@ from browser_helpers import (
     CHROMIUM,
     CHROMIUM_ARGS,
     LAB_SETTINGS,
-    dark_pixels,
+    check_tensorboard,
     error_texts,
+    file_state,
     open_notebook,
     processes_with,
+    prompts,
     run_all,
+    run_cell,
     shutdown_kernels,
+    wait_for_cell,
     wait_for_run_all,
     wait_until,
-    write_notebook,
 )
 
 from course import ROOT
@@ -33,8 +42,8 @@ from course.launcher import kill_tree
 
 pytestmark = pytest.mark.browser
 
-FIXTURE = ROOT / "tests" / "fixtures" / "slow_ranks.py"
-SCRATCH = ARTIFACTS / "widget_scratch.ipynb"  # inside Lab's root (the repo), git-ignored
+NOTEBOOK_03 = "notebooks/03_ddp_five_steps.ipynb"
+TRY_IT = 'launcher_widget("train_ddp.py"'  # the text of notebook 03's "Try it yourself" cell
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +54,16 @@ def lab(tmp_path_factory):
 
     ARTIFACTS.mkdir(exist_ok=True)
     state = tmp_path_factory.mktemp("lab-state")
+    # Lab passes its environment on to its kernels and from them to every rank they launch: this
+    # marker tells this Lab's processes from the same scripts run by anything else on the machine.
+    marker = {"COURSE_BROWSER_TEST_LAB": secrets.token_hex(8)}
     with open(ARTIFACTS / "lab.log", "w") as log:
         # The repository is Lab's root (notebook 00 writes ../scripts/ and reads course.ROOT). Lab's own
         # state (settings, workspaces) is a temporary folder, and autosave is off: the notebooks stay as they are.
         base, token, proc = start_lab(isolated=True, state_dir=state, settings=LAB_SETTINGS,
-                                      env={"COURSE_QUICK": "1"}, log=log)
-        yield SimpleNamespace(base=base, token=token, proc=proc)
+                                      env={"COURSE_QUICK": "1", **marker}, log=log)
+        yield SimpleNamespace(base=base, token=token, proc=proc,
+                              processes=lambda fragment: processes_with(fragment, env=marker))
         stop_lab(proc)  # Lab, its kernels and everything they started
     wait_until(lambda: not processes_with(str(state)), 10, "Lab to end")
 
@@ -95,106 +108,160 @@ def workspace_url(lab, path: str) -> str:
     return f"{lab.base}/lab/workspaces/t{uuid.uuid4().hex[:8]}/tree/{path}?reset&token={lab.token}"
 
 
-@pytest.mark.timeout(420)  # a hard stop if Lab or Chromium hangs; the fixtures still end every process
-def test_notebook_00_run_all(page, lab):
+# ------------------------------------------------------------------ A: Run All, notebook by notebook
+
+RUN_ALL = [
+    pytest.param(SimpleNamespace(
+        name="00", path="notebooks/00_environment.ipynb", run_all_s=240,
+        launches=1, scripts=["hello_distributed.py"],  # what the notebook starts under torchrun
+        board_runs=["np2"], tags=["all_reduce/bus_bandwidth_GBps"],  # TensorBoard on runs/00_hello
+    ), id="00", marks=pytest.mark.timeout(420)),  # a hard stop if Lab or Chromium hangs
+    pytest.param(SimpleNamespace(
+        name="03", path=NOTEBOOK_03, run_all_s=600,  # about 4 min here in quick mode
+        launches=9, scripts=["train_ddp.py", "train_single.py", "ddp_gradients.py"],
+        board_runs=["mnist_np1", "mnist_np2"], tags=["train/loss", "val/accuracy"],  # runs/03_ddp
+    ), id="03", marks=pytest.mark.timeout(900)),
+]
+
+
+@pytest.mark.parametrize("nb", RUN_ALL)
+def test_notebook_run_all(nb, page, lab):
+    before = file_state(ROOT / nb.path)
     start = time.monotonic()
-    open_notebook(page, workspace_url(lab, "notebooks/00_environment.ipynb"))
+    open_notebook(page, workspace_url(lab, nb.path))
+    code_cells = page.locator(".jp-CodeCell").count()
     run_all(page)
-    shown = wait_for_run_all(page, timeout=240)
-    page.screenshot(path=ARTIFACTS / "nb00_after_run_all.png")
+    shown = wait_for_run_all(page, timeout=nb.run_all_s)
+    run_all_s = time.monotonic() - start
+    page.screenshot(path=ARTIFACTS / f"nb{nb.name}_after_run_all.png")
     assert not error_texts(page), error_texts(page)
-    assert all(p[1:-2].isdigit() for p in shown), f"not every cell ran: {shown}"
+    assert len(shown) == code_cells and all(p[1:-2].isdigit() for p in shown), f"not every cell ran: {shown}"
 
     outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
     assert "[rank0]:" in outputs and "[rank1]:" in outputs, outputs[-2000:]
-    assert "exit code 0" in outputs
-    assert not processes_with("hello_distributed.py"), "ranks left running after the launch cell"
+    codes = re.findall(r"\[launcher\] exit code (-?\d+)", outputs)
+    assert len(codes) >= nb.launches and set(codes) == {"0"}, f"launch exit codes in the page: {codes}"
+    for script in nb.scripts:
+        assert not lab.processes(script), f"{script}: ranks left running after Run All"
 
-    # TensorBoard, inside its iframe (another port of 127.0.0.1, so another origin): the scalar
-    # cards are there, and the bandwidth chart has a line drawn on it.
-    iframe = page.locator(".jp-OutputArea-output iframe")
+    # TensorBoard, inside its iframe (another port of 127.0.0.1, so another origin): the notebook's
+    # runs are listed, and each tag's scalar card has its curve drawn.
+    iframe = page.locator(".jp-OutputArea-output iframe").first
     iframe.scroll_into_view_if_needed()
-    board = page.frame_locator(".jp-OutputArea-output iframe")
-    titles = board.locator("scalar-card tb-truncated-path")
-    titles.first.wait_for(timeout=60_000)
-    assert "all_reduce/bus_bandwidth_GBps" in [titles.nth(i).get_attribute("title") for i in range(titles.count())]
-    card = board.locator("scalar-card", has=board.locator('tb-truncated-path[title="all_reduce/bus_bandwidth_GBps"]'))
-    plot = card.locator("line-chart canvas, line-chart svg.main").first
-    wait_until(lambda: dark_pixels(plot.screenshot()) > 50, 60, "TensorBoard to draw the bandwidth curve")
-    iframe.screenshot(path=ARTIFACTS / "nb00_tensorboard.png")
-    print(f"notebook 00 Run All + TensorBoard check: {time.monotonic() - start:.0f} s")
+    board = page.frame_locator(".jp-OutputArea-output iframe").first
+    drawn = check_tensorboard(board, nb.tags, runs=nb.board_runs)
+    board.locator("scalar-card").first.scroll_into_view_if_needed()
+    iframe.screenshot(path=ARTIFACTS / f"nb{nb.name}_tensorboard.png")
+    assert file_state(ROOT / nb.path) == before, f"{nb.path} was written (autosave must be off)"
+    print(f"notebook {nb.name}: Run All {run_all_s:.0f} s ({len(shown)} cells, {len(codes)} launches), "
+          f"with TensorBoard check {time.monotonic() - start:.0f} s; dark pixels per chart {drawn}")
 
 
-@pytest.mark.timeout(300)
-def test_launcher_widget_launch_and_stop(page, lab, tmp_path):
+# ------------------------------------------------------------------ B: the launcher panel of notebook 03
+
+@pytest.mark.timeout(480)
+def test_launcher_widget_in_notebook_03(page, lab):
+    before = file_state(ROOT / NOTEBOOK_03)
+    run_dir = ROOT / "runs" / "03_ddp" / "widget"  # the panel's run_dir in the notebook
     start = time.monotonic()
-    write_notebook(SCRATCH, "from course.widget import launcher_widget\n\n"
-                   f"launcher_widget(script={str(FIXTURE)!r}, nproc=2, run_dir={str(tmp_path / 'run')!r},\n"
-                   "                args='--step-seconds 0.1', max_steps=100)")
-    open_notebook(page, workspace_url(lab, SCRATCH.relative_to(ROOT).as_posix()))
-    run_all(page)
-    wait_for_run_all(page, timeout=120)
-    panel = page.locator(".jp-OutputArea-output .widget-vbox").first
+    open_notebook(page, workspace_url(lab, NOTEBOOK_03))
+
+    # Only the imports cell and the "Try it yourself" cell: select each, Shift+Enter.
+    imports = page.locator(".jp-CodeCell").first
+    try_it = page.locator(".jp-CodeCell", has_text=TRY_IT)
+    assert "import course" in imports.text_content() and try_it.count() == 1
+    run_cell(page, imports)
+    wait_for_cell(imports, 120)
+    run_cell(page, try_it)
+    wait_for_cell(try_it, 60)
+    assert sum(p[1:-2].isdigit() for p in prompts(page)) == 2, f"other cells ran too: {prompts(page)}"
+    assert not error_texts(page), error_texts(page)
+    panel = try_it.locator(".jp-OutputArea-output .widget-vbox").first
     panel.wait_for(timeout=60_000)
+    panel.scroll_into_view_if_needed()
 
     def field(label):
         name = page.locator("label.widget-label", has_text=re.compile(f"^{label}$"))
         return panel.locator(".widget-inline-hbox", has=name).locator("input")
 
-    # Refused in the page, before anything starts: more CPU ranks than cores.
-    field("processes").fill("64")
-    field("processes").press("Tab")
-    panel.get_by_role("button", name="Launch").click()
-    page.get_by_text("refused: 64 processes on the CPU").wait_for(timeout=10_000)
-    assert not processes_with(FIXTURE.name)
+    def set_field(label, value):
+        field(label).fill(str(value))
+        field(label).press("Tab")
 
-    # A short 2-rank run, set in the widget itself.
-    field("processes").fill("2")
-    field("processes").press("Tab")
-    field("max steps").fill("300")
-    field("max steps").press("Tab")
-    panel.get_by_role("button", name="Launch").click()
     log = panel.locator(".course-launcher-log")
-    wait_until(lambda: "[rank1]:" in (log.text_content() or ""), 60, "output from rank 1")
+    launch_button = panel.get_by_role("button", name="Launch")
+    buttons = panel.locator(".widget-hbox", has=page.get_by_role("button", name="Launch"))
+    status = buttons.locator(".widget-html-content")
     bar = panel.locator(".widget-hprogress .progress-bar")
+    preset = [field(label).input_value() for label in ("processes", "max steps", "extra args")]
+    assert preset == ["2", "200", "--dataset mnist"], f"the notebook's preset: {preset}"
 
     def width() -> float:  # the bar's drawn width, in percent
         return float(re.search(r"width:\s*([\d.]+)%", bar.get_attribute("style") or "width: 0%")[1])
 
-    wait_until(lambda: width() >= 5, 60, "the progress bar to advance")
-    first = width()
-    wait_until(lambda: width() > first, 30, "the progress bar to keep advancing")
+    def both_ranks(text: str) -> bool:
+        return "[rank0]:" in text and "[rank1]:" in text
+
+    # Refused in the page, before anything starts: more CPU ranks than cores.
+    set_field("processes", 64)
+    launch_button.click()
+    page.get_by_text("refused: 64 processes on the CPU").wait_for(timeout=10_000)
+    assert not lab.processes("train_ddp.py")
+
+    # The preset as the notebook gives it: 2 ranks, 200 steps of MNIST; it runs to the end.
+    set_field("processes", 2)
+    launched = time.time()
+    launch_button.click()
+    wait_until(lambda: "finished in" in (status.text_content() or ""), 120, "the preset run to finish")
+    preset_s = time.time() - launched
     text = log.text_content()
-    assert "[rank0]:" in text and "[rank1]:" in text and "/300 [" in text
-    assert len(processes_with(FIXTURE.name)) >= 3  # torchrun and its 2 ranks
-    page.screenshot(path=ARTIFACTS / "widget_mid_run.png")
+    assert both_ranks(text) and "done:" in text, text[-2000:]
+    assert width() > 30 and "progress-bar-success" in bar.get_attribute("class")  # 199/469 of epoch 0
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 200 and metrics["world_size"] == 2
+    assert (run_dir / "metrics.json").stat().st_mtime >= launched, "metrics.json is not from this run"
+    wait_until(lambda: not lab.processes("train_ddp.py"), 10, "the ranks to end after the run")
+    page.screenshot(path=ARTIFACTS / "widget_preset_finished.png")
 
-    panel.get_by_role("button", name="Stop").click()
-    stopped = time.monotonic()
-    wait_until(lambda: not processes_with(FIXTURE.name), 10, "every rank to end after Stop")
-    print(f"Stop -> 0 processes in {time.monotonic() - stopped:.1f} s")
-    page.get_by_text("stopped: every process was ended").wait_for(timeout=10_000)
-    assert width() < 100
-    page.screenshot(path=ARTIFACTS / "widget_after_stop.png")
-
-    # The TensorBoard button: the run's experiment folder, inline under the panel, with the
-    # fixture's scalar drawn (it logged one point per step until Stop).
+    # The TensorBoard button: the experiment folder runs/03_ddp, inline under the panel, with the
+    # panel's run ("widget") listed and its charts drawn.
     panel.get_by_role("button", name="TensorBoard").click()
     iframe = panel.locator(".widget-output iframe")
     iframe.wait_for(timeout=60_000)
     iframe.scroll_into_view_if_needed()
     board = panel.frame_locator(".widget-output iframe")
-    card = board.locator("scalar-card", has=board.locator('tb-truncated-path[title="fixture/loss"]'))
-    card.wait_for(timeout=60_000)
-    plot = card.locator("line-chart canvas, line-chart svg.main").first
-    wait_until(lambda: dark_pixels(plot.screenshot()) > 50, 60, "TensorBoard to draw the fixture's curve")
+    check_tensorboard(board, ["train/loss", "val/accuracy"], runs=["widget"])
+    board.locator("scalar-card").first.scroll_into_view_if_needed()
     page.screenshot(path=ARTIFACTS / "widget_tensorboard.png")
+
+    # A longer run, stopped mid-run: one epoch in batches of 4 (7500 steps, about 40 s here), so that
+    # tqdm's progress line (redrawn every 3 s) shows the bar between 0 and 100 %.
+    set_field("max steps", 0)
+    set_field("extra args", "--dataset mnist --batch-size 4")
+    launch_button.click()
+    wait_until(lambda: "done:" not in (log.text_content() or ""), 10, "the last run's output to clear")
+    wait_until(lambda: both_ranks(log.text_content() or ""), 60, "output from ranks 0 and 1")
+    wait_until(lambda: width() >= 5, 60, "the progress bar to advance")
+    first = width()
+    wait_until(lambda: width() > first, 30, "the progress bar to keep advancing")
+    assert len(lab.processes("train_ddp.py")) >= 3  # torchrun and its 2 ranks
+    page.screenshot(path=ARTIFACTS / "widget_mid_run.png")
+
+    panel.get_by_role("button", name="Stop").click()
+    stopped = time.monotonic()
+    wait_until(lambda: not lab.processes("train_ddp.py"), 10, "every rank to end after Stop")
+    stop_s = time.monotonic() - stopped
+    page.get_by_text("stopped: every process was ended").wait_for(timeout=10_000)
+    assert "done:" not in log.text_content(), "the run ended by itself before Stop"
+    assert width() < 100 and "progress-bar-warning" in bar.get_attribute("class")
+    page.screenshot(path=ARTIFACTS / "widget_after_stop.png")
 
     # Shutting the kernel down (or restarting it) mid-run must not leave ranks behind either:
     # they run in their own process session, so the panel's exit hook stops them.
-    panel.get_by_role("button", name="Launch").click()
-    wait_until(lambda: len(processes_with(FIXTURE.name)) >= 3, 60, "the second run to start")
+    launch_button.click()
+    wait_until(lambda: len(lab.processes("train_ddp.py")) >= 3, 60, "the next run to start")
     shut_kernels_down(lab)
-    wait_until(lambda: not processes_with(FIXTURE.name), 5, "every rank to end after the kernel shut down")
-    print(f"widget launch/stop in the browser: {time.monotonic() - start:.0f} s")
-    SCRATCH.unlink()
+    wait_until(lambda: not lab.processes("train_ddp.py"), 5, "every rank to end after the kernel shut down")
+    assert file_state(ROOT / NOTEBOOK_03) == before, f"{NOTEBOOK_03} was written (autosave must be off)"
+    print(f"widget in notebook 03: preset run {preset_s:.0f} s, Stop -> 0 processes in {stop_s:.1f} s, "
+          f"whole test {time.monotonic() - start:.0f} s")

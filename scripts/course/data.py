@@ -391,7 +391,7 @@ class _View(Dataset):
 def _resolve_dir(name: str, data_dir) -> tuple[Path, bool]:
     """The directory to load and whether it is the generated default (so `make data` can fix it)."""
     if data_dir is None:
-        data_dir = os.environ.get(f"COURSE_{name.upper()}_DIR")
+        data_dir = os.environ.get(f"COURSE_{name.upper()}_DIR") or None  # empty means unset
     if data_dir is None:
         return DATA_DIR / name, True
     return Path(data_dir).expanduser(), False
