@@ -11,6 +11,7 @@ Needs /usr/bin/chromium (CI's .ci/run installs it).
 import json
 import re
 import secrets
+import shutil
 import time
 import uuid
 import warnings
@@ -159,10 +160,24 @@ def test_notebook_run_all(nb, page, lab):
 
 # ------------------------------------------------------------------ B: the launcher panel of notebook 03
 
+@pytest.fixture
+def widget_run_dir(tmp_path):
+    """The panel's run folder in notebook 03, put back as it was after the test (and after its kernel
+    is gone): the stopped runs would otherwise be a stray curve in the notebook's TensorBoard."""
+    run_dir = ROOT / "runs" / "03_ddp" / "widget"
+    saved = tmp_path / "saved"
+    if run_dir.exists():
+        shutil.copytree(run_dir, saved)
+    yield run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if saved.exists():
+        shutil.copytree(saved, run_dir)
+
+
 @pytest.mark.timeout(480)
-def test_launcher_widget_in_notebook_03(page, lab):
+def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this order: page ends first)
     before = file_state(ROOT / NOTEBOOK_03)
-    run_dir = ROOT / "runs" / "03_ddp" / "widget"  # the panel's run_dir in the notebook
+    run_dir = widget_run_dir
     start = time.monotonic()
     open_notebook(page, workspace_url(lab, NOTEBOOK_03))
 
