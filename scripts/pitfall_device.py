@@ -6,6 +6,7 @@
     torchrun ... scripts/pitfall_device.py --bug set-device       # 2+ GPUs: no set_device, all on cuda:0
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -70,6 +71,10 @@ def main():
         loss.backward()
         optimizer.step()
     print(f"rank {rank}: 3 steps done on {device}, loss {loss.item():.3f}", flush=True)
+    # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
+    # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 

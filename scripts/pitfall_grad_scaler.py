@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_grad_scaler.py
 Runs twice: every rank restores the same scaler state (correct), then only rank 0 does (the bug).
 """
+import gc
 import os
 from datetime import timedelta
 
@@ -33,7 +34,8 @@ def train(device, rank, restored_on_every_rank: bool) -> None:
         scaler.scale(loss).backward()  # DDP averages the *scaled* gradients of all ranks
         scaler.step(optimizer)  # skipped where the gradients hold inf/NaN
         scaler.update()  # halves the scale after a skipped step
-        print(f"  rank {rank} step {step}: scale {scaler.get_scale():.0f}", flush=True)
+        case = "every rank" if restored_on_every_rank else "rank 0 only"
+        print(f"  [{case}] rank {rank} step {step}: scale {scaler.get_scale():.0f}", flush=True)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     reference = weights.clone()
     dist.broadcast(reference, src=0)
@@ -54,6 +56,7 @@ def main():
     for every_rank in (True, False):
         train(device, rank, every_rank)
         dist.barrier()
+    gc.collect()  # free the DDP models first: otherwise gloo sometimes aborts at exit (torch 2.14, CPU)
     dist.destroy_process_group()
 
 

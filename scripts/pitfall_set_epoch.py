@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py --bug   # never calls it
 """
 import argparse
+import gc
 import os
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bug", action="store_true", help="never call sampler.set_epoch")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--train-samples", type=int, default=0, help="train on the first N samples (0: all)")
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--run-dir", default="runs/04_pitfalls/set_epoch")
@@ -38,6 +40,8 @@ def main():
     torch.manual_seed(0)
 
     train_set, val_set, num_classes = build_datasets("mnist")
+    if args.train_samples:
+        train_set = Subset(train_set, range(args.train_samples))
     sampler = DistributedSampler(train_set, seed=0)
     loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), 1000)
@@ -65,6 +69,10 @@ def main():
         if rank == 0:
             print(f"epoch {epoch}: val accuracy {accuracy:.4f}", flush=True)
     log.finish(val_accuracy=accuracy, epochs=args.epochs)
+    # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
+    # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@
 """
 import argparse
 import contextlib
+import gc
 import os
 import time
 from datetime import timedelta
@@ -56,6 +57,10 @@ def main():
     print(f"rank {rank}: trained on all its batches; waiting for the others", flush=True)
     dist.barrier()  # e.g. before rank 0 saves a checkpoint
     print(f"rank {rank}: done in {time.monotonic() - start:.1f} s", flush=True)
+    # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
+    # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 
