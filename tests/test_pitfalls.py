@@ -3,7 +3,6 @@ process is left behind. Real torchrun jobs with gloo on the CPU (hangs are cut b
 
 import contextlib
 import re
-import socket
 import sys
 import time
 
@@ -12,17 +11,11 @@ import pytest
 from conftest import wait_for_no_processes
 
 from course import ROOT, SCRIPTS
-from course.launcher import launch, run_commands
+from course.launcher import free_port, launch, run_commands
 
 HANG_S = 5  # process-group timeout for the runs that hang
 QUIET = {"backend": "gloo", "quiet": True, "on_line": lambda _: None}  # CPU, even on a GPU box
 CPU_ONLY = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(*options, script, args=()):

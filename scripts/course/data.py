@@ -19,7 +19,8 @@ from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import Dataset, TensorDataset
 from torchvision import datasets, transforms
 
-ROOT = Path(__file__).resolve().parents[2]
+from course import ROOT
+
 DATA_DIR = ROOT / "data"
 MARKER = ".complete"  # written last, so a half-written dataset folder is detected and regenerated
 DATASETS = ("flowers", "mnist")

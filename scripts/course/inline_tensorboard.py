@@ -11,7 +11,6 @@ kill it, and it carries a watchdog that exits when the notebook kernel that star
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import psutil
 from tensorboard import manager, notebook
 
 from course import ROOT
+from course.launcher import free_port
 
 MODULE = "course.inline_tensorboard"
 
@@ -87,12 +87,6 @@ def stop(logdir=None) -> int:
         except psutil.Error:
             pass
     return len(infos)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_scalars(logdir) -> dict[str, dict[str, list[tuple[int, float]]]]:

@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,22 +19,11 @@ import webbrowser
 from pathlib import Path
 
 from course import ROOT
+from course.launcher import free_port
 
 FIRST_NOTEBOOK = "notebooks/00_environment.ipynb"
 # The "get official Jupyter news?" toast: it asks to go online, which this course never needs.
 NO_NEWS = {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
-
-
-def free_port(preferred: int | None = None) -> int:
-    """``preferred`` if nothing listens there, else any free port of 127.0.0.1."""
-    for port in ([preferred] if preferred else []) + [0]:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
 
 
 def lab_url(port: int, token: str, path: str = FIRST_NOTEBOOK, workspace: str | None = None) -> str:

@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import shlex
+import socket
 import subprocess
 import sys
 import threading
@@ -187,6 +188,18 @@ def _pump(proc: subprocess.Popen, prefix: str, lines: queue.Queue) -> None:
     proc.stdout.close()
     proc.wait()
     lines.put(None)
+
+
+def free_port(preferred: int | None = None) -> int:
+    """``preferred`` if nothing listens there, else any free port of 127.0.0.1."""
+    for port in ([preferred] if preferred else []) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
 
 
 def kill_tree(pid: int, grace: float = 5.0) -> int:
