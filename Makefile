@@ -22,7 +22,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 data: setup
-	$(PY) -m course.data
+	$(PY) -m course.datagen
 
 course: data
 	$(PY) -m course.run_notebooks

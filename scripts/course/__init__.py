@@ -17,5 +17,13 @@ SCRIPTS = ROOT / "scripts"
 RUNS = ROOT / "runs"
 WEIGHTS = ROOT / "weights"
 
+
+
+def in_repo(path: str | os.PathLike) -> Path:
+    """``path`` itself if absolute, else relative to the course's root folder (not the working directory)."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else ROOT / path
+
+
 # One documented switch: COURSE_QUICK=1 shrinks every run so the whole course fits in minutes on a laptop CPU.
 QUICK = os.environ.get("COURSE_QUICK", "0") not in ("", "0", "false", "False")
