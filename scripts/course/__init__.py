@@ -1,12 +1,19 @@
 """Shared helpers for the course: one module per concern.
 
-- ``course.data``      offline datasets (generate, load, split)
-- ``course.models``    the MLP, a small CNN and ResNet-18
-- ``course.hardware``  which device and backend this machine gives a process
-- ``course.runlog``    TensorBoard events + metrics.json for every run
-- ``course.checkpoint`` atomic save, safe load
-- ``course.launcher``  torchrun from a notebook cell: live output, timeout, no orphans
-- ``course.tensorboard`` inline TensorBoard and matplotlib curves from event files
+Used by the training scripts (import only what a training process needs):
+- ``course.hardware``    which device and backend a process uses: the one rule, for every accelerator
+- ``course.data``        load the datasets (generated, or real ones via COURSE_*_DIR)
+- ``course.models``      the MLP, a small CNN and ResNet-18
+- ``course.runlog``      TensorBoard events + metrics.json, written by rank 0, never destroying a previous run
+- ``course.checkpoint``  atomic save, safe load, writable check
+- ``course.measure``     steady-state step timing (scripts) and interleaved comparisons (notebooks)
+- ``course.args``        argparse validators; ``course.errors``  one clear error, printed once
+Used by notebooks and tests:
+- ``course.datagen``     generate the offline datasets (``make data``)
+- ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
+- ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
+- ``course.scriptdiff``  the diff between two scripts, checked for step markers
+- ``course.run_notebooks`` / ``course.lab``  ``make course`` / ``make lab``
 """
 
 import os
@@ -23,6 +30,18 @@ def in_repo(path: str | os.PathLike) -> Path:
     """``path`` itself if absolute, else relative to the course's root folder (not the working directory)."""
     path = Path(path).expanduser()
     return path if path.is_absolute() else ROOT / path
+
+
+def import_script(name: str):
+    """Import one of the course's scripts (``scripts/<name>.py``) as a module, e.g. to reuse its classes in a
+    notebook. scripts/ goes on sys.path explicitly, as when the script itself runs, so that processes started
+    by ``multiprocessing`` (which copy the parent's sys.path) can import it by name too."""
+    import importlib
+    import sys
+
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 # One documented switch: COURSE_QUICK=1 shrinks every run so the whole course fits in minutes on a laptop CPU.
