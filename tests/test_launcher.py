@@ -120,3 +120,16 @@ def test_overhead_over_bare_torchrun_is_small():
         ours.append(launch(FIXTURE, nproc=2, timeout=120, on_line=lambda _: None).wall_time)
     print(f"bare torchrun {min(bare):.2f} s, launcher {min(ours):.2f} s", file=sys.stderr)
     assert min(ours) < min(bare) * 1.25 + 0.5  # generous: 2 shared vCPUs vary +-30 % run to run
+
+
+def test_one_torchrun_command_builder():
+    from course.launcher import torchrun_command
+
+    single = torchrun_command("hello_distributed.py", 2, ["--max-mib", 1])
+    assert single[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--tee=3",
+                          "--role=rank", str(ROOT / "scripts" / "hello_distributed.py"), "--max-mib", "1"]
+    node = ["--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400"]
+    explicit = torchrun_command("hello_distributed.py", 1, [], node, standalone=False)
+    assert "--standalone" not in explicit and explicit[explicit.index("--role=rank") + 1:][:4] == node
+    with pytest.raises(ValueError, match="standalone=False"):
+        torchrun_command("hello_distributed.py", 1, [], ["--master-port=29500"])

@@ -71,10 +71,29 @@ def plan(nproc: int, backend: str = "auto") -> Plan:
     return Plan(nproc, "gloo", "cpu", threads, f"{reason}: gloo on CPU, these are CPU numbers")
 
 
-def torchrun_command(script: str | Path, nproc: int, args=(), torchrun_args=()) -> list[str]:
-    """The torchrun command line: single node, a free port (--standalone), output tagged by rank."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--tee=3", "--role=rank", *map(str, torchrun_args), str(resolve_script(script)), *map(str, args)]
+RENDEZVOUS_FLAGS = ("--nnodes", "--node-rank", "--node_rank", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+                    "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--master-addr", "--master_addr", "--master-port",
+                    "--master_port")
+
+
+def torchrun_command(script: str | Path, nproc: int, args=(), torchrun_args=(), standalone: bool = True) -> list[str]:
+    """The torchrun command line, output tagged by rank (``--tee=3 --role=rank``: lines start ``[rankN]:``).
+
+    standalone=True: one node, its rendezvous on a free port (``--standalone``); rendezvous flags in
+    ``torchrun_args`` are refused, since --standalone would silently override them.
+    standalone=False: the caller gives the rendezvous in ``torchrun_args``, e.g. two simulated nodes:
+    ``["--nnodes=2", "--node-rank=0", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]``
+    (or ``--master-addr``/``--master-port``).
+    """
+    torchrun_args = [str(a) for a in torchrun_args]
+    if standalone:
+        clash = [a for a in torchrun_args if a.split("=", 1)[0] in RENDEZVOUS_FLAGS]
+        if clash:
+            raise ValueError(f"{' '.join(clash)}: rendezvous flags need standalone=False "
+                             "(--standalone picks its own rendezvous and would ignore them)")
+    return [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
+            f"--nproc-per-node={nproc}", "--tee=3", "--role=rank", *torchrun_args, str(resolve_script(script)),
+            *map(str, args)]
 
 
 def resolve_script(script: str | Path) -> Path:
