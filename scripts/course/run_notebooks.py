@@ -11,11 +11,15 @@ that the notebook's runs wrote.
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.sign import NotebookNotary
@@ -29,8 +33,11 @@ EXECUTED = ROOT / "build" / "notebooks"
 def execute(path: Path, out_dir: Path = EXECUTED, cell_timeout: int = 1200) -> tuple[bool, float, str]:
     """Run one notebook in a fresh kernel with notebooks/ as working directory; save the executed copy."""
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    # IPC sockets in a private folder: the kernel is reachable by this user only (no TCP port, so no
+    # "Kernel is running over TCP without encryption" warning for every notebook).
+    sockets = tempfile.mkdtemp(prefix="course-kernel-")
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "kernel"))
+    client = NotebookClient(nb, km=km, timeout=cell_timeout, resources={"metadata": {"path": str(path.parent)}})
     start = time.monotonic()
     error = ""
     try:
@@ -38,6 +45,9 @@ def execute(path: Path, out_dir: Path = EXECUTED, cell_timeout: int = 1200) -> t
     except CellExecutionError as exc:  # nbclient stops at the first cell that raises
         error = str(exc)
     finally:
+        if km.has_kernel:  # we own this kernel manager, so we end the kernel
+            km.shutdown_kernel(now=False)
+        shutil.rmtree(sockets, ignore_errors=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         NotebookNotary().sign(nb)  # trusted: Lab will render the TensorBoard iframe and widgets
         nbformat.write(nb, out_dir / path.name)
