@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 QUICK  ?= 0
 export COURSE_QUICK := $(QUICK)
 
-.PHONY: setup data course test lab clean
+.PHONY: setup data course test lab gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ course: data
 
 test: data
 	$(PY) -m pytest
+
+# On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
+gpu-check: data
+	$(PY) -m course.gpu_check
 
 lab: data
 	$(PY) -m course.lab
