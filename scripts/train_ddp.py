@@ -1,3 +1,4 @@
+# Written by notebooks/03_ddp_five_steps.ipynb - edit it there; running the notebook rewrites this file.
 """Train a classifier with DistributedDataParallel: train_single.py plus the five DDP steps.
 
     torchrun --standalone --nproc-per-node=2 scripts/train_ddp.py                    # MLP, MNIST-shaped set
@@ -5,7 +6,7 @@
 """
 import argparse
 import os
-import time
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -16,9 +17,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
-from course.checkpoint import save_checkpoint
-from course.data import DatasetError, build_datasets
+from course.args import nonnegative_int, positive_float, positive_int, repo_path
+from course.checkpoint import check_writable, save_checkpoint
+from course.data import build_datasets
+from course.errors import reported_once
 from course.hardware import backend_for, pick_device
+from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog
 
@@ -30,16 +34,17 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
     parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
-    parser.add_argument("--image-size", type=int, default=64, help="flowers only: images are resized to this")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step, per process (DDP step 4)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--image-size", type=positive_int, default=64, help="flowers only: resized to this")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many steps (0: none)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step, per process (DDP step 4)")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="steps between logged losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--checkpoint", default=f"weights/{NAME}.pt")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between logged losses")
+    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
+    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint", type=repo_path, default=f"weights/{NAME}.pt")
     return parser.parse_args()
 
 
@@ -58,21 +63,25 @@ def evaluate(model, loader, device):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
-    # DDP step 1: join the process group. torchrun sets these variables for every process it starts.
+    # DDP step 1: torchrun starts one process per device and tells each who it is.
     rank = int(os.environ["RANK"])  # global: unique across all machines; decides who logs and saves
     local_rank = int(os.environ["LOCAL_RANK"])  # on this machine only: decides which device
-    world_size = int(os.environ["WORLD_SIZE"])
-    # DDP step 2: bind the process to its own device *before* anything touches a GPU (cpu without GPUs).
+    world_size = int(os.environ["WORLD_SIZE"])  # how many processes in all
+    # DDP step 2: bind the process to its own device *before* anything touches it (cpu without accelerators).
     device = pick_device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device))  # DDP step 1: nccl for GPUs, gloo for CPUs
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
-    try:
+    # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
+    with reported_once(rank):  # DDP step 5: checked before the process group exists; rank 0 reports
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-    except DatasetError as error:
-        raise SystemExit(f"error: {error}")
+        check_writable(args.checkpoint)  # not after an epoch of training
+        log = RunLog(args.run_dir, enabled=rank == 0, script=NAME, world_size=world_size,  # DDP step 5
+                     backend=backend_for(device), device=str(device), batch_per_rank=args.batch_size,
+                     global_batch=args.batch_size * world_size, lr=args.lr,
+                     dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
+    dist.init_process_group(backend_for(device))  # DDP step 1: join the others (nccl for GPUs, gloo for CPUs)
     # DDP step 4: each rank reads its own 1/world_size of the data (same seeded permutation, every
     # world_size-th index); validation is split without padding so that no image is counted twice.
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -82,43 +91,42 @@ def main():
     val_loader = DataLoader(val_set, 256, num_workers=args.workers)
 
     model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
-    # DDP step 3: wrap. DDP copies rank 0's weights to every rank, then averages gradients in backward().
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # DDP step 3: wrap. At construction DDP broadcasts rank 0's parameters and buffers to every rank
+    # (init_sync=True); in backward() it averages the gradients; before each training forward it re-syncs
+    # the buffers (e.g. BatchNorm's running statistics) from rank 0 (forward_sync_buffers=True).
+    model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()  # has no parameters or buffers: nothing to move to the device
 
-    # DDP step 5: only rank 0 writes logs, metrics and checkpoints. The global batch is per-rank x ranks.
-    log = RunLog(args.run_dir, enabled=rank == 0, script=NAME, world_size=world_size,
-                 backend=dist.get_backend(), device=str(device), batch_per_rank=args.batch_size,
-                 global_batch=args.batch_size * world_size, lr=args.lr,
-                 dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
     if rank == 0:  # DDP step 5
         print(f"{NAME}: {len(train_set)} training samples, {world_size} ranks, batch {args.batch_size} per rank "
               f"= global batch {args.batch_size * world_size}", flush=True)
     print(f"rank {rank} (local rank {local_rank}) on {device}", flush=True)
 
-    step, samples, train_seconds, train_loss = 0, 0, 0.0, float("nan")
+    # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
+    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
+    step, train_loss = 0, float("nan")
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # DDP step 4: a new shuffle each epoch (same on every rank)
-        epoch_start = time.perf_counter()
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", mininterval=3, ncols=90,
-                                   disable=rank != 0):  # DDP step 5
+        sampler.set_epoch(epoch)  # DDP step 4: a new shuffle each epoch (the same on every rank)
+        # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
+        steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
+        bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90, disable=rank != 0)  # DDP step 5
+        timer.start()
+        for i, (images, labels) in enumerate(bar):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
-            samples += len(labels)
-            if step % args.log_every == 0 or step == args.max_steps:
-                # DDP step 5: log the mean over all ranks, not rank 0's share of the batch alone.
-                batch_loss = loss.detach().clone()
-                dist.all_reduce(batch_loss)
-                train_loss = batch_loss.item() / world_size
+            running += torch.stack([loss.detach(), torch.ones_like(loss.detach())])
+            if step % args.log_every == 0 or i + 1 == steps:
+                dist.all_reduce(running)  # DDP step 5: summed over ranks, so the logged loss is the global mean
+                train_loss = (running[0] / running[1]).item()  # the mean of the steps since the last log
+                running.zero_()
                 log.scalar("train/loss", train_loss, step)
-            if step == args.max_steps:
-                break
-        train_seconds += time.perf_counter() - epoch_start
+            timer.tick(len(labels))
 
         counts = evaluate(model, val_loader, device)
         dist.all_reduce(counts)  # DDP step 5: exact global accuracy = summed counts of all ranks
@@ -132,12 +140,13 @@ def main():
         if step == args.max_steps:
             break
 
-    metrics = log.finish(steps=step, samples_per_s=samples * world_size / train_seconds,  # DDP step 5: all ranks
+    metrics = log.finish(steps=step, **timer.summary(world_size),  # DDP step 5: samples/s summed over ranks
                          final_train_loss=train_loss, val_accuracy=correct / total, val_correct=correct,
                          val_total=total)
+    rate, timed = metrics["samples_per_s"], metrics["timed_steps"]
+    speed = f"{rate:.0f} samples/s ({timed} timed steps)" if rate is not None else "no step timed after the warm-up"
     if rank == 0:  # DDP step 5
-        print(f"done: {metrics['samples_per_s']:.0f} samples/s, val accuracy {metrics['val_accuracy']:.4f}",
-              flush=True)
+        print(f"done: {speed}, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
     dist.destroy_process_group()  # DDP step 1: leave the group cleanly
 
 

@@ -1,3 +1,4 @@
+# Written by notebooks/01_single_device.ipynb - edit it there; running the notebook rewrites this file.
 """Train a classifier on one device: the baseline that every later script is compared with.
 
     python scripts/train_single.py                       # MLP 784-128-10 on the MNIST-shaped set
@@ -5,7 +6,7 @@
     torchrun --nproc-per-node=1 scripts/train_single.py  # the same run, under torchrun
 """
 import argparse
-import time
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -14,9 +15,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
-from course.checkpoint import save_checkpoint
-from course.data import DatasetError, build_datasets
+from course.args import nonnegative_int, positive_float, positive_int, repo_path
+from course.checkpoint import check_writable, save_checkpoint
+from course.data import build_datasets
+from course.errors import reported_once
 from course.hardware import pick_device
+from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog
 
@@ -28,16 +32,17 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
     parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
-    parser.add_argument("--image-size", type=int, default=64, help="flowers only: images are resized to this")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--image-size", type=positive_int, default=64, help="flowers only: resized to this")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many steps (0: none)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="steps between logged losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--checkpoint", default=f"weights/{NAME}.pt")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between logged losses")
+    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
+    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint", type=repo_path, default=f"weights/{NAME}.pt")
     return parser.parse_args()
 
 
@@ -59,10 +64,13 @@ def main():
     device = pick_device()
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
-    try:
+    # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
+    with reported_once():
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-    except DatasetError as error:
-        raise SystemExit(f"error: {error}")
+        check_writable(args.checkpoint)  # not after an epoch of training
+        log = RunLog(args.run_dir, script=NAME, world_size=1, backend=None, device=str(device),
+                     batch_per_rank=args.batch_size, global_batch=args.batch_size, lr=args.lr,
+                     dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
     shuffle = torch.Generator()  # reseeded every epoch: a new order each epoch, the same order each run
     sampler = RandomSampler(train_set, generator=shuffle)
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
@@ -73,29 +81,31 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()  # has no parameters or buffers: nothing to move to the device
 
-    log = RunLog(args.run_dir, script=NAME, world_size=1, backend=None, device=str(device),
-                 batch_per_rank=args.batch_size, global_batch=args.batch_size, lr=args.lr,
-                 dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
     print(f"{NAME}: {len(train_set)} training samples on {device}, batch {args.batch_size}", flush=True)
 
-    step, samples, train_seconds, train_loss = 0, 0, 0.0, float("nan")
+    # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
+    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
+    step, train_loss = 0, float("nan")
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)
-        epoch_start = time.perf_counter()
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", mininterval=3, ncols=90):
+        # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
+        steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
+        bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90)
+        timer.start()
+        for i, (images, labels) in enumerate(bar):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
-            samples += len(labels)
-            if step % args.log_every == 0 or step == args.max_steps:
-                train_loss = loss.item()
+            running += torch.stack([loss.detach(), torch.ones_like(loss.detach())])
+            if step % args.log_every == 0 or i + 1 == steps:
+                train_loss = (running[0] / running[1]).item()  # the mean of the steps since the last log
+                running.zero_()
                 log.scalar("train/loss", train_loss, step)
-            if step == args.max_steps:
-                break
-        train_seconds += time.perf_counter() - epoch_start
+            timer.tick(len(labels))
 
         correct, total = evaluate(model, val_loader, device).tolist()
         log.scalar("val/accuracy", correct / total, step)
@@ -106,9 +116,11 @@ def main():
         if step == args.max_steps:
             break
 
-    metrics = log.finish(steps=step, samples_per_s=samples / train_seconds, final_train_loss=train_loss,
+    metrics = log.finish(steps=step, **timer.summary(), final_train_loss=train_loss,
                          val_accuracy=correct / total, val_correct=correct, val_total=total)
-    print(f"done: {metrics['samples_per_s']:.0f} samples/s, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
+    rate, timed = metrics["samples_per_s"], metrics["timed_steps"]
+    speed = f"{rate:.0f} samples/s ({timed} timed steps)" if rate is not None else "no step timed after the warm-up"
+    print(f"done: {speed}, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,72 @@
-"""The course's training scripts under torchrun (2 gloo ranks for DDP): metrics, equivalence, errors."""
+"""The course's training scripts under torchrun (2 gloo ranks for DDP): metrics, equivalence, errors,
+bad input refused at start, previous results never lost."""
 
-import difflib
-import re
+import json
+import math
+import os
+import socket
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
-from course import ROOT, SCRIPTS
+from course import ROOT, SCRIPTS, import_script
 from course.launcher import launch
+from course.scriptdiff import script_diff
 
 QUIET = {"on_line": lambda _: None}
+
+
+@pytest.fixture(scope="session")
+def datasets():
+    """The generated datasets (made once; `make test` has already run `make data`)."""
+    from course.datagen import ensure_datasets
+
+    ensure_datasets(quiet=True)
+    return ROOT / "data"
 
 
 def run(script, nproc, args, run_dir, **kw):
     return launch(script, nproc=nproc, args=args, run_dir=run_dir, timeout=600, **QUIET, **kw)
 
 
+def python(script, *args, cwd=ROOT, env=None, wait=True):
+    """The script run directly with this Python (no torchrun): stdout and stderr apart."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script), *map(str, args)], cwd=cwd, text=True,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=180)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def previous_results(run_dir):
+    """A run directory holding a previous run's results, as a finished run leaves them."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.json").write_text('{"previous": true}')
+    (run_dir / "events.out.tfevents.1.previous").write_text("previous events")
+    return run_dir
+
+
+def assert_previous_results_intact(run_dir):
+    assert json.loads((run_dir / "metrics.json").read_text()) == {"previous": True}
+    assert (run_dir / "events.out.tfevents.1.previous").read_text() == "previous events"
+
+
 def test_train_single_writes_metrics_and_checkpoint(datasets, tmp_path):
     ckpt = tmp_path / "single.pt"
-    m = run("train_single.py", 1, ["--max-steps", 150, "--epochs", 1, "--checkpoint", ckpt], tmp_path / "run").metrics
+    result = run("train_single.py", 1, ["--max-steps", 150, "--epochs", 1, "--checkpoint", ckpt], tmp_path / "run")
+    m = result.metrics
     assert (m["world_size"], m["steps"], m["global_batch"], m["device"]) == (1, 150, 64, "cpu")
-    assert m["val_accuracy"] > 0.85 and m["samples_per_s"] > 0 and m["final_train_loss"] < 1.0
+    assert m["val_accuracy"] > 0.85 and m["final_train_loss"] < 1.0
+    assert m["samples_per_s"] > 0 and (m["warmup_steps"], m["timed_steps"]) == (3, 147), "warm-up not timed"
     assert m["val_total"] == 10000
+    # The progress bar stopped by --max-steps ends full and closed, before the epoch line, not after "done:".
+    bars = [line for line in result.output.replace("\r", "\n").splitlines() if "%|" in line]
+    assert bars and "100%" in bars[-1] and "150/150" in bars[-1], bars[-3:]
+    assert "%|" not in result.output[result.output.index("done:"):]
     from course.checkpoint import load_checkpoint
 
     state = load_checkpoint(ckpt)
@@ -37,6 +81,7 @@ def test_train_ddp_on_two_ranks(datasets, tmp_path):
     assert (m["world_size"], m["backend"], m["batch_per_rank"], m["global_batch"]) == (2, "gloo", 32, 64)
     assert m["val_total"] == 10000, "every validation image counted exactly once"
     assert m["val_accuracy"] > 0.8
+    assert m["samples_per_s"] > 0 and m["timed_steps"] == 97
     assert "[rank0]:rank 0 (local rank 0) on cpu" in result.output and "[rank1]:rank 1 (local rank 1) on cpu" in result.output
     assert result.output.count("val accuracy") == 2  # the epoch line and the final line, from rank 0 only
     from course.checkpoint import load_checkpoint
@@ -62,42 +107,138 @@ def test_ddp_losses_equal_single_process_losses(datasets, tmp_path):
 
 
 def test_diff_single_to_ddp_is_exactly_the_five_steps():
-    diff = list(difflib.unified_diff((SCRIPTS / "train_single.py").read_text().splitlines(),
-                                     (SCRIPTS / "train_ddp.py").read_text().splitlines(), lineterm="", n=1))
-    hunks = "\n".join(diff[2:]).split("\n@@")
-    steps = {int(s) for s in re.findall(r"DDP step (\d)", "\n".join(hunks))}
-    assert steps == {1, 2, 3, 4, 5}
-    for hunk in hunks:
-        changed = [line[1:] for line in hunk.splitlines()[1:] if line[:1] in "+-"]
-        assert "DDP step" in hunk or all(line.startswith(("import ", "from ")) for line in changed), hunk
+    diff = script_diff("train_single.py", "train_ddp.py")
+    assert diff.steps == {1, 2, 3, 4, 5} and not diff.unmarked, diff.summary()
     ddp = (SCRIPTS / "train_ddp.py").read_text()
     assert 'rank = int(os.environ["RANK"])' in ddp and 'local_rank = int(os.environ["LOCAL_RANK"])' in ddp
     assert "sampler.set_epoch(epoch)" in ddp and "model.module.state_dict()" in ddp
+    # Everything detectable is checked before the process group starts.
+    assert ddp.index("with reported_once(rank)") < ddp.index("dist.init_process_group(")
+    for name in ("train_single", "train_ddp"):
+        first = (SCRIPTS / f"{name}.py").read_text().splitlines()[0]
+        assert first.startswith("# Written by notebooks/") and "edit it there" in first
 
 
-@pytest.mark.parametrize("layout", ["missing", "empty", "loose_files"])
-def test_bad_data_dir_gives_one_clear_error_line(tmp_path, layout):
-    target = tmp_path / "flowers"
-    if layout != "missing":
-        target.mkdir()
-    if layout == "loose_files":
-        (target / "notes.txt").write_text("not an image folder")
-    result = subprocess.run([sys.executable, str(SCRIPTS / "train_single.py"), "--dataset", "flowers",
-                             "--data-dir", str(target)], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and str(target) in lines[0], result.stderr
+@pytest.mark.parametrize("script", ["train_single", "train_ddp"])
+@pytest.mark.parametrize("flag, value", [("--epochs", "0"), ("--batch-size", "-1"), ("--lr", "0"),
+                                         ("--max-steps", "-1"), ("--log-every", "0"), ("--workers", "x")])
+def test_bad_values_are_refused_by_the_parser_in_one_line(script, flag, value, monkeypatch, capsys):
+    module = import_script(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", flag, value])
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"{script}.py: error: argument {flag}:") and value in err[-1], err
+    assert not any("Traceback" in line for line in err)
 
 
-def test_unreadable_image_is_reported_by_path(tmp_path):
-    from course.data import generate_flowers
+def test_epochs_0_and_a_crash_mid_run_keep_the_previous_results(datasets, tmp_path):
+    """--epochs 0 used to delete the previous metrics.json and events; a crash must not either."""
+    from course.datagen import generate_flowers
 
     root = tmp_path / "flowers"
     generate_flowers(root, n_images=40)
     for image in sorted(root.rglob("*.jpg")):  # corrupt every image, so the first batch must hit one
         image.write_bytes(b"not a jpeg")
-    result = subprocess.run([sys.executable, str(SCRIPTS / "train_single.py"), "--dataset", "flowers", "--data-dir",
-                             str(root), "--max-steps", "1", "--model", "cnn", "--run-dir", str(tmp_path / "r")],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
-    assert result.returncode != 0
-    assert re.search(r"unreadable image: .*" + re.escape(str(root)) + r".*\.jpg", result.stderr), result.stderr[-2000:]
+    run_dir = previous_results(tmp_path / "run")
+    zero = python("train_single.py", "--epochs", 0, "--run-dir", run_dir, wait=False)
+    crash = python("train_single.py", "--dataset", "flowers", "--data-dir", root, "--max-steps", 1, "--model", "cnn",
+                   "--run-dir", run_dir, "--checkpoint", tmp_path / "c.pt")
+    _, zero_err = zero.communicate(timeout=180)
+    assert zero.returncode == 2 and "argument --epochs: 0 must be > 0" in zero_err
+    assert crash.returncode != 0
+    assert f"unreadable image: {root}" in crash.stderr and ".jpg" in crash.stderr, crash.stderr[-2000:]
+    assert_previous_results_intact(run_dir)
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_bad_datasets_give_one_clear_error_line(tmp_path):
+    """Each failure names the folder, once, before any training; every process exits with 2."""
+    cases = {}
+    for layout in ("empty", "one_class"):  # every layout is tested on course.data itself (test_data.py)
+        target = tmp_path / layout / "flowers"
+        target.mkdir(parents=True)
+        if layout == "one_class":
+            from PIL import Image
+
+            (target / "roses").mkdir()
+            for i in range(4):
+                Image.new("RGB", (8, 8), (200, 0, 0)).save(target / "roses" / f"{i}.jpg")
+        cases[layout] = (target, python("train_single.py", "--dataset", "flowers", "--data-dir", target,
+                                        "--run-dir", tmp_path / layout / "run", wait=False))
+    # The DDP script with a missing dataset, as torchrun starts it: both ranks fail before the process group,
+    # rank 0 alone says why.
+    missing = tmp_path / "nowhere"
+    ranks = [python("train_ddp.py", "--dataset", "flowers", "--data-dir", missing, "--run-dir", tmp_path / "ddp",
+                    env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+                    wait=False) for r in (0, 1)]
+    errors = {}
+    for layout, (target, proc) in cases.items():
+        out, err = proc.communicate(timeout=180)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2, (layout, err[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error:") and str(target) in lines[0], (layout, err)
+        assert "training samples" not in out
+        errors[layout] = err
+    assert "1 class folder(s) (roses); a classifier needs at least two" in errors["one_class"]
+    results = [proc.communicate(timeout=180) for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [2, 2]
+    assert [len(err.strip().splitlines()) for _, err in results] == [1, 0], results
+    assert results[0][1].startswith(f"error: flowers folder {missing} does not exist")
+
+
+def test_unwritable_checkpoint_fails_at_start_naming_the_path(datasets, tmp_path):
+    (tmp_path / "a_file").write_text("I am a file, not a folder")
+    cases = {"file_as_parent": tmp_path / "a_file" / "model.pt"}
+    if os.geteuid() != 0:  # root may write anywhere: a read-only folder stops only other users
+        (tmp_path / "readonly").mkdir(mode=0o555)
+        cases["readonly"] = tmp_path / "readonly" / "model.pt"
+    procs = {name: python("train_single.py", "--checkpoint", path, "--run-dir", tmp_path / name, wait=False)
+             for name, path in cases.items()}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 2, (name, err[-2000:])
+        assert err.strip().splitlines() == [err.strip()] and str(cases[name]) in err, (name, err)
+        assert "training samples" not in out, "refused before training starts"
+
+
+def test_second_run_into_a_live_runs_directory_is_refused(datasets, tmp_path):
+    run_dir = tmp_path / "run"
+    first = python("train_single.py", "--epochs", 50, "--run-dir", run_dir, "--checkpoint", tmp_path / "1.pt",
+                   wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / ".lock").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the run dir"
+            time.sleep(0.2)
+        second = python("train_single.py", "--epochs", 1, "--run-dir", run_dir, "--checkpoint", tmp_path / "2.pt")
+        assert first.poll() is None, "the first run must still be alive for this test to mean anything"
+    finally:
+        first.kill()
+        first.communicate()
+    assert second.returncode == 2
+    assert second.stderr.strip() == (f"error: run directory {run_dir} is in use by a live run "
+                                     f"({socket.gethostname()} {first.pid}); wait for it, stop it, "
+                                     "or pass another --run-dir")
+
+
+def test_short_run_from_another_cwd_logs_a_loss_and_writes_under_the_course_root(datasets, tmp_path):
+    """Fewer steps than --log-every: the loss is the mean of the steps that ran (not nan); fewer steps than
+    the warm-up: no speed is made up. Relative --run-dir/--checkpoint resolve against the course root."""
+    name = f"_test_cwd_{uuid.uuid4().hex[:8]}"
+    run_dir, ckpt = ROOT / "runs" / name, ROOT / "weights" / f"{name}.pt"
+    try:
+        result = python("train_single.py", "--max-steps", 3, "--log-every", 10, "--run-dir", f"runs/{name}",
+                        "--checkpoint", f"weights/{name}.pt", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        m = json.loads((run_dir / "metrics.json").read_text())
+        assert ckpt.exists() and not any(tmp_path.iterdir()), "nothing written in the working directory"
+    finally:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ckpt.unlink(missing_ok=True)
+    assert m["steps"] == 3 and math.isfinite(m["final_train_loss"]) and len(m["train_loss_history"]) == 1
+    assert m["samples_per_s"] is None and m["timed_steps"] == 0
+    assert "done: no step timed after the warm-up" in result.stdout
