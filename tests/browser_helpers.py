@@ -127,6 +127,11 @@ def dark_pixels(png: bytes, threshold: int = 140) -> int:
     return sum(count for value, count in enumerate(gray.histogram()) if value < threshold)
 
 
+def image_loaded(image) -> int:
+    """An <img>'s natural width once the browser has loaded and decoded it; 0 while loading or if broken."""
+    return image.evaluate("img => (img.complete && img.naturalWidth) || 0")
+
+
 def file_state(path: Path) -> tuple[int, bytes]:
     """(mtime in ns, content): equal before and after a test = the file was not written."""
     return path.stat().st_mtime_ns, path.read_bytes()

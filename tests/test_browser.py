@@ -4,6 +4,7 @@ A: notebooks 00 and 03, Run All: every cell runs without an error, the 2-rank la
    page, and TensorBoard's scalar charts are drawn inside it.
 B: notebook 03's "Try it yourself" launcher panel, run as a student would (the imports cell and that
    cell only): the real train_ddp.py on 2 ranks, live output and progress, Stop, no process left behind.
+C: notebook 00's SVG diagrams, embedded in markdown, are loaded and drawn in Lab (no cell is run).
 Lab runs with COURSE_QUICK=1 (notebook 03 then takes minutes, not tens of minutes) and without autosave:
 each test checks that its notebook file was not written. Screenshots go to tests/artifacts/.
 Needs /usr/bin/chromium (CI's .ci/run installs it).
@@ -25,8 +26,10 @@ from browser_helpers import (
     CHROMIUM_ARGS,
     LAB_SETTINGS,
     check_tensorboard,
+    dark_pixels,
     error_texts,
     file_state,
+    image_loaded,
     open_notebook,
     processes_with,
     prompts,
@@ -43,6 +46,7 @@ from course.launcher import kill_tree
 
 pytestmark = pytest.mark.browser
 
+NOTEBOOK_00 = "notebooks/00_environment.ipynb"
 NOTEBOOK_03 = "notebooks/03_ddp_five_steps.ipynb"
 TRY_IT = 'launcher_widget("train_ddp.py"'  # the text of notebook 03's "Try it yourself" cell
 
@@ -113,9 +117,9 @@ def workspace_url(lab, path: str) -> str:
 
 RUN_ALL = [
     pytest.param(SimpleNamespace(
-        name="00", path="notebooks/00_environment.ipynb", run_all_s=240,
-        launches=1, scripts=["hello_distributed.py"],  # what the notebook starts under torchrun
-        board_runs=["np2"], tags=["all_reduce/bus_bandwidth_GBps"],  # TensorBoard on runs/00_hello
+        name="00", path=NOTEBOOK_00, run_all_s=240,
+        launches=2, scripts=["hello_distributed.py"],  # what the notebook starts under torchrun
+        board_runs=["np2"], tags=["all_reduce/bus_bandwidth_GBps"],  # TensorBoard on runs/00_environment
     ), id="00", marks=pytest.mark.timeout(420)),  # a hard stop if Lab or Chromium hangs
     pytest.param(SimpleNamespace(
         name="03", path=NOTEBOOK_03, run_all_s=600,  # about 4 min here in quick mode
@@ -280,3 +284,29 @@ def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this ord
     assert file_state(ROOT / NOTEBOOK_03) == before, f"{NOTEBOOK_03} was written (autosave must be off)"
     print(f"widget in notebook 03: preset run {preset_s:.0f} s, Stop -> 0 processes in {stop_s:.1f} s, "
           f"whole test {time.monotonic() - start:.0f} s")
+
+
+# ------------------------------------------------------------------ C: diagrams, as Lab draws them
+
+DIAGRAMS_00 = ["00_ranks_two_nodes.svg", "00_all_reduce.svg"]  # notebooks/figures/, embedded in markdown
+
+
+@pytest.mark.timeout(240)
+def test_diagrams_render_in_notebook_00(page, lab):
+    """Each diagram is an <img> in a rendered markdown cell that Lab loaded (naturalWidth > 0) and drew
+    at a readable size with visible content; a screenshot of each goes to tests/artifacts/."""
+    before = file_state(ROOT / NOTEBOOK_00)
+    open_notebook(page, workspace_url(lab, NOTEBOOK_00))
+    for name in DIAGRAMS_00:
+        embedded = f'.jp-RenderedMarkdown img[src*="{name}"]'
+        image = page.locator(f".jp-MarkdownCell {embedded}")
+        assert image.count() == 1, f"{name}: not embedded in a rendered markdown cell of {NOTEBOOK_00}"
+        image.scroll_into_view_if_needed()
+        natural_width = wait_until(lambda image=image: image_loaded(image), 30, f"{name} to load")
+        box = image.bounding_box()
+        assert box and box["width"] >= 300 and box["height"] >= 150, f"{name} drawn too small: {box}"
+        assert dark_pixels(image.screenshot()) > 2000, f"{name}: loaded but nothing drawn"
+        cell = page.locator(".jp-MarkdownCell", has=page.locator(embedded))
+        cell.screenshot(path=ARTIFACTS / f"nb00_{name[:-4]}.png")
+        print(f"{name}: naturalWidth {natural_width}, drawn {box['width']:.0f}x{box['height']:.0f} px")
+    assert file_state(ROOT / NOTEBOOK_00) == before, f"{NOTEBOOK_00} was written (autosave must be off)"
