@@ -90,10 +90,15 @@ def test_train_ddp_on_two_ranks(datasets, tmp_path):
 
 
 def test_ddp_gradient_equals_single_process_gradient(datasets, tmp_path):
-    mlp = run("ddp_gradients.py", 2, ["--model", "mlp"], tmp_path / "mlp").metrics
-    cnn = run("ddp_gradients.py", 2, ["--model", "cnn"], tmp_path / "cnn").metrics
-    assert mlp["max_abs_grad_diff"] <= 1e-6
-    assert cnn["max_abs_grad_diff"] > 1e-4, "BatchNorm uses per-rank statistics, so it must differ"
+    models = run("ddp_gradients.py", 2, ["--models", "mlp", "cnn"], tmp_path / "grads").metrics["models"]
+    assert models["mlp"]["max_abs_grad_diff"] <= 1e-6
+    assert models["cnn"]["max_abs_grad_diff"] > 1e-4, "BatchNorm uses per-rank statistics, so it must differ"
+
+
+def test_gradients_averaged_by_hand_equal_ddps(datasets, tmp_path):
+    mlp = run("ddp_by_hand.py", 2, ["--models", "mlp"], tmp_path / "by_hand").metrics["models"]["mlp"]
+    assert mlp["max_abs_grad_diff"] <= 1e-6 and mlp["max_abs_weight_diff"] <= 1e-6
+    assert mlp["all_reduce_calls_by_hand"] == 4 and len(mlp["ddp_bucket_bytes"]) == 1  # 2 weights + 2 biases
 
 
 def test_ddp_losses_equal_single_process_losses(datasets, tmp_path):
