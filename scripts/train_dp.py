@@ -1,3 +1,4 @@
+# Written by notebooks/02_data_parallel.ipynb - edit it there; running the notebook rewrites this file.
 """Train a classifier with nn.DataParallel: train_single.py with the model wrapped. Legacy: prefer DDP.
 
     python scripts/train_dp.py                           # one process drives every visible GPU
@@ -9,7 +10,7 @@ DataParallel does nothing (device_ids == []): the run is train_single.py's, with
 """
 import argparse
 import os
-import time
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -18,9 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
-from course.checkpoint import save_checkpoint
-from course.data import DatasetError, build_datasets
+from course.args import nonnegative_int, positive_float, positive_int, repo_path
+from course.checkpoint import check_writable, save_checkpoint
+from course.data import build_datasets
+from course.errors import CourseError, reported_once
 from course.hardware import pick_device
+from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog
 
@@ -32,16 +36,17 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
     parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
-    parser.add_argument("--image-size", type=int, default=64, help="flowers only: images are resized to this")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step, split across the GPUs (DP)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--image-size", type=positive_int, default=64, help="flowers only: resized to this")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many steps (0: none)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per step, all GPUs (DP)")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10, help="steps between logged losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--checkpoint", default=f"weights/{NAME}.pt")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between logged losses")
+    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
+    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint", type=repo_path, default=f"weights/{NAME}.pt")
     return parser.parse_args()
 
 
@@ -60,15 +65,18 @@ def evaluate(model, loader, device):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # DP: N processes would each train a model of their own
-        raise SystemExit(f"error: {NAME} is one process for all GPUs; launch it with --nproc-per-node=1")
     device = pick_device()  # DP: the first GPU, "device 0", if there is one; it holds the model
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
-    try:
+    # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
+    with reported_once(int(os.environ.get("RANK", "0"))):  # DP: started as N processes, rank 0 alone reports
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # DP: N processes would each train their own model
+            raise CourseError(f"{NAME} is one process for all GPUs; launch it with --nproc-per-node=1")
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-    except DatasetError as error:
-        raise SystemExit(f"error: {error}")
+        check_writable(args.checkpoint)  # not after an epoch of training
+        log = RunLog(args.run_dir, script=NAME, world_size=1, backend=None, device=str(device),
+                     batch_per_rank=args.batch_size, global_batch=args.batch_size, lr=args.lr,
+                     dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
     shuffle = torch.Generator()  # reseeded every epoch: a new order each epoch, the same order each run
     sampler = RandomSampler(train_set, generator=shuffle)
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=args.workers,
@@ -83,45 +91,49 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()  # has no parameters or buffers: nothing to move to the device
 
-    log = RunLog(args.run_dir, script=NAME, world_size=1, backend=None, device=str(device),
-                 dp_device_ids=model.device_ids,  # DP: one process, driving these GPUs
-                 batch_per_rank=args.batch_size, global_batch=args.batch_size, lr=args.lr,
-                 dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
     print(f"{NAME}: {len(train_set)} training samples on {device}, batch {args.batch_size}; DataParallel "
           f"device_ids={model.device_ids}{'' if model.device_ids else ' (no GPU: a pass-through)'}", flush=True)
 
-    step, samples, train_seconds, train_loss = 0, 0, 0.0, float("nan")
+    # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
+    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
+    step, train_loss = 0, float("nan")
     for epoch in range(args.epochs):
         shuffle.manual_seed(args.seed + epoch)
-        epoch_start = time.perf_counter()
-        for images, labels in tqdm(train_loader, desc=f"epoch {epoch}", mininterval=3, ncols=90):
-            labels = labels.to(device, non_blocking=True)  # DP: the outputs are gathered on device 0
-            loss = criterion(model(images), labels)  # DP: one loss for the whole batch, on device 0
+        # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
+        steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
+        bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90)
+        timer.start()
+        for i, (images, labels) in enumerate(bar):
+            labels = labels.to(device, non_blocking=True)  # DP: images stay put; the outputs come to device 0
+            loss = criterion(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DP: every copy's gradients are summed onto device 0's parameters
-            optimizer.step()  # DP: on device 0 only; the next forward copies the new weights out again
+            loss.backward()
+            optimizer.step()
             step += 1
-            samples += len(labels)
-            if step % args.log_every == 0 or step == args.max_steps:
-                train_loss = loss.item()
+            running += torch.stack([loss.detach(), torch.ones_like(loss.detach())])
+            if step % args.log_every == 0 or i + 1 == steps:
+                train_loss = (running[0] / running[1]).item()  # the mean of the steps since the last log
+                running.zero_()
                 log.scalar("train/loss", train_loss, step)
-            if step == args.max_steps:
-                break
-        train_seconds += time.perf_counter() - epoch_start
+            timer.tick(len(labels))
 
         correct, total = evaluate(model, val_loader, device).tolist()
         log.scalar("val/accuracy", correct / total, step)
         print(f"epoch {epoch}: step {step}, train loss {train_loss:.4f}, "
               f"val accuracy {correct / total:.4f} ({correct}/{total})", flush=True)
-        # DP: save the model inside the wrapper, so the keys carry no "module." prefix
+        # DP: save the model inside the wrapper, so that the keys carry no "module." prefix
         save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "epoch": epoch, "step": step}, args.checkpoint)
         if step == args.max_steps:
             break
 
-    metrics = log.finish(steps=step, samples_per_s=samples / train_seconds, final_train_loss=train_loss,
-                         val_accuracy=correct / total, val_correct=correct, val_total=total)
-    print(f"done: {metrics['samples_per_s']:.0f} samples/s, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
+    metrics = log.finish(steps=step, **timer.summary(), final_train_loss=train_loss,
+                         val_accuracy=correct / total, val_correct=correct, val_total=total,
+                         dp_device_ids=model.device_ids)  # DP: one process, driving these GPUs
+    rate, timed = metrics["samples_per_s"], metrics["timed_steps"]
+    speed = f"{rate:.0f} samples/s ({timed} timed steps)" if rate is not None else "no step timed after the warm-up"
+    print(f"done: {speed}, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """DataParallel (notebook 02): train_dp.py under the launcher, its checkpoint, and the properties the
-notebook demonstrates (manual DP gives the full-batch gradient; on CPU DP is a silent pass-through)."""
+notebook demonstrates (manual DP gives the full-batch gradient; on CPU DP is a silent pass-through;
+the ring all-reduce simulation gives the sum and sends 2(N-1)/N of the tensor per rank)."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -9,9 +11,11 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+import course
 from course.checkpoint import load_checkpoint
 from course.launcher import launch
 from course.models import mlp
+from course.scriptdiff import script_diff
 
 
 def test_train_dp_runs_as_one_process_and_saves_plain_keys(datasets, tmp_path):
@@ -22,6 +26,8 @@ def test_train_dp_runs_as_one_process_and_saves_plain_keys(datasets, tmp_path):
                           "--checkpoint", checkpoint])
     m = result.metrics
     assert m["script"] == "train_dp" and m["world_size"] == 1 and m["steps"] == 40
+    assert m["timed_steps"] == 40 - m["warmup_steps"] and m["samples_per_s"] > 0
+    assert not any(math.isnan(loss) for _, loss in m["train_loss_history"])
     assert m["dp_device_ids"] == list(range(torch.cuda.device_count()))
     assert 0.5 < m["val_accuracy"] <= 1.0 and m["val_total"] == 10000
     assert "DataParallel device_ids=" in result.output
@@ -75,5 +81,24 @@ def test_train_dp_refuses_more_than_one_process(datasets, tmp_path):
     result = launch("train_dp.py", nproc=2, timeout=120, run_dir=tmp_path / "run", check=False, quiet=True,
                     on_line=lambda _: None, args=["--max-steps", 1, "--checkpoint", tmp_path / "never.pt"])
     assert result.returncode != 0
-    assert "one process for all GPUs" in result.output
+    assert result.output.count("one process for all GPUs") == 1  # reported once, by rank 0
     assert not (tmp_path / "never.pt").exists()
+
+
+def test_train_dp_differs_from_train_single_only_in_marked_lines():
+    diff = script_diff("train_single.py", "train_dp.py", marker=r"\bDP\b|DataParallel", context=0)
+    assert diff.hunks and not diff.unmarked, diff.unmarked
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("length", [1, 8, 10, 13])
+def test_ring_all_reduce_simulation_gives_the_sum_on_every_rank(ranks, length):
+    ring = course.import_script("ring_allreduce")
+    tensors = [ring.rank_tensor(r, length) for r in range(ranks)]
+    phases = ring.simulate_ring_all_reduce(tensors)
+    assert len(phases) == 1 + 2 * (ranks - 1)  # the start, N-1 reduce-scatter and N-1 all-gather steps
+    for chunks in phases[-1]["chunks"]:
+        assert torch.equal(torch.cat(chunks), sum(tensors))
+    assert torch.equal(torch.cat(phases[0]["chunks"][0]), tensors[0])  # the inputs are not modified
+    if length % ranks == 0:
+        assert ring.elements_sent(phases) == [2 * (ranks - 1) * length // ranks] * ranks
