@@ -2,11 +2,12 @@
 interrupts leave no process behind, the plan follows the hardware."""
 
 import json
+import re
+import signal
 import sys
 import time
 
 import pytest
-from conftest import processes_running, wait_for_no_processes
 from jupyter_client.manager import start_new_kernel
 
 from course import ROOT
@@ -36,8 +37,10 @@ def test_failure_raises_with_the_failing_ranks_traceback():
         launch(FIXTURE, nproc=2, env={"FAIL_RANK": "1"}, timeout=120, quiet=True, on_line=lambda _: None)
     message = str(error.value)
     assert "exit code 1" in message
-    assert "rank      : 1" in message
+    assert "rank 1 exited with code 1" in message
     assert "ValueError: deliberate failure on rank 1" in message
+    assert len(message.splitlines()) < 12  # one clear message; the full report is on the error
+    assert "Root Cause" in error.value.output and error.value.failure in message
 
 
 def test_failure_without_check_returns_the_exit_code():
@@ -46,15 +49,15 @@ def test_failure_without_check_returns_the_exit_code():
     assert "deliberate failure on rank 0" in root_cause(result.output)
 
 
-def test_timeout_ends_every_process():
+def test_timeout_ends_every_process(wait_no_processes):
     start = time.monotonic()
     with pytest.raises(LaunchError, match="timed out after 15 s"):
         launch(FIXTURE, nproc=2, env={"HANG": "1"}, timeout=15, on_line=lambda _: None)
     assert time.monotonic() - start < 30
-    assert wait_for_no_processes("fixtures/ranks.py", timeout=5) == []
+    assert wait_no_processes("fixtures/ranks.py", timeout=5) == []
 
 
-def test_interrupting_a_notebook_cell_leaves_no_orphans():
+def test_interrupting_a_notebook_cell_leaves_no_orphans(find_processes, wait_no_processes):
     """A real Jupyter kernel, interrupted the way JupyterLab's stop button does it."""
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(ROOT / "notebooks"))
     try:
@@ -66,14 +69,14 @@ def test_interrupting_a_notebook_cell_leaves_no_orphans():
             msg = client.get_iopub_msg(timeout=90)
             if msg["msg_type"] == "stream":
                 output += msg["content"]["text"]
-        assert len(processes_running("fixtures/ranks.py")) >= 3  # torchrun + 2 ranks
+        assert len(find_processes("fixtures/ranks.py")) >= 3  # torchrun + 2 ranks
         manager.interrupt_kernel()
         reply = client.get_shell_msg(timeout=60)
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = client.get_shell_msg(timeout=60)
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
-        assert wait_for_no_processes("fixtures/ranks.py", timeout=10) == []
+        assert wait_no_processes("fixtures/ranks.py", timeout=10) == []
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
@@ -89,8 +92,13 @@ def test_returns_metrics_of_the_run(tmp_path):
 
 
 def test_plan_follows_the_hardware():
+    from course.hardware import accelerator_count
+
+    if accelerator_count():
+        pytest.skip("this machine has an accelerator; tests/test_hardware.py fakes every case")
     chosen = plan(2)
     assert (chosen.backend, chosen.device) == ("gloo", "cpu")  # no GPU on this machine
+    assert chosen.refusal is None and "no accelerator found" in chosen.reason
     assert chosen.threads_per_rank == max(1, cpu_cores() // 2)
     assert plan(1).threads_per_rank == cpu_cores()
     with pytest.raises(ValueError, match="nccl needs one GPU per process"):
@@ -133,3 +141,139 @@ def test_one_torchrun_command_builder():
     assert "--standalone" not in explicit and explicit[explicit.index("--role=rank") + 1:][:4] == node
     with pytest.raises(ValueError, match="standalone=False"):
         torchrun_command("hello_distributed.py", 1, [], ["--master-port=29500"])
+
+
+# ---------------------------------------------------------------------------- failures explained (issue 9 #3/#4)
+
+FAILS = "tests/fixtures/fails.py"
+
+
+def launch_failing(args, nproc=2):
+    shown = []
+    with pytest.raises(LaunchError) as error:
+        launch(FAILS, nproc=nproc, args=args, timeout=120, on_line=shown.append)
+    return error.value, "".join(shown)
+
+
+def test_foreign_script_without_record_names_the_raising_rank():
+    error, shown = launch_failing(["--mode", "raise"])
+    message = str(error)
+    assert "rank 1 exited with code 1" in message, message
+    assert "RuntimeError: foreign failure on rank 1" in message and "fails.py" in message
+    assert "Connection closed by peer" not in message  # rank 0 only lost its peer
+    # torchrun's own report stays out of the live output, and in the error's full output
+    assert "ChildFailedError" not in shown and "Root Cause" not in shown
+    assert "ChildFailedError" in error.output and "Root Cause" in error.output
+    assert error.failure == error.result.failure and error.failure in message
+
+
+def test_error_reported_once_names_the_rank_that_said_it():
+    """The course's scripts: rank 0 prints `error: ...`, every rank exits 2 (course.errors.reported_once)."""
+    error, _ = launch_failing(["--mode", "course"])
+    message = str(error)
+    assert re.search(r"rank 0 (exited with code 2|\(stopped by torchrun after rank 1 exited with code 2\))", message), \
+        message
+    assert "error: no dataset in /nowhere/flowers" in error.failure
+    assert error.output.count("error: no dataset") == 1
+
+
+def test_argparse_error_is_the_message():
+    result = launch(FAILS, nproc=2, args=["--epochs", "x"], timeout=120, check=False, on_line=lambda _: None)
+    assert result.returncode != 0  # torchrun itself exits 1 when a rank fails
+    assert re.search(r"rank \d exited with code 2", result.failure)
+    assert "error: argument --epochs: invalid int value: 'x'" in result.failure
+
+
+def test_failure_text_from_a_report_without_error_files():
+    """Which rank is named, decided from torchrun's report and the tagged lines alone (no processes)."""
+    from course.launcher import describe_failure
+
+    report = ("[rank0]:rank 0 started\n[rank0]:[rank0]: Traceback (most recent call last):\n"
+              "[rank0]:[rank0]:   File \"x.py\", line 3, in <module>\n[rank0]:[rank0]:     dist.barrier()\n"
+              "[rank0]:[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:1\n"
+              "[rank1]:[rank1]: Traceback (most recent call last):\n"
+              "[rank1]:[rank1]:   File \"x.py\", line 5, in <module>\n[rank1]:[rank1]:     boom()\n"
+              "[rank1]:[rank1]: KeyError: 'boom'\n"
+              "Failures:\n[1]:\n  time      : t\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
+              "  exitcode  : 1 (pid: 2) \n  error_file: <N/A>\n  traceback : To enable traceback see: x\n"
+              "------------------------------------------------------------\n"
+              "Root Cause (first observed failure):\n[0]:\n  time      : t\n  host      : h\n"
+              "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 3) \n  error_file: <N/A>\n"
+              "  traceback : To enable traceback see: x\n" + "=" * 60 + "\n")
+    text = describe_failure(report, 1)
+    assert text.startswith("rank 1 exited with code 1") and "KeyError: 'boom'" in text, text
+    assert describe_failure("python: can't open file 'x.py'\n", 2).startswith("exit code 2")
+
+
+def test_show_report_outside_ipython(capsys):
+    from course.launcher import RunResult, show_report
+
+    show_report(RunResult(returncode=1, wall_time=1.0, output="line one\nline two\n", failure="rank 0 exited"))
+    printed = capsys.readouterr().out
+    assert "full output (2 lines); failed: rank 0 exited" in printed and "line two" in printed
+
+
+# ---------------------------------------------------------------------------- refusals, working directory
+
+def test_more_cpu_ranks_than_cores_is_refused_by_launch():
+    from course.launcher import LaunchRefused
+
+    if plan(cpu_cores() + 1).device != "cpu":
+        pytest.skip("enough accelerators here: the ranks would not run on the CPU")
+    with pytest.raises(LaunchRefused, match=f"{cpu_cores()} CPU cores"):
+        launch(FIXTURE, nproc=cpu_cores() + 1, timeout=60)
+    assert plan(cpu_cores() + 1, allow_oversubscribe=True).refusal is None
+    assert plan(min(2, cpu_cores())).refusal is None  # 2 ranks on 2 cores: allowed
+
+
+def test_cwd_is_where_a_foreign_script_writes(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text((ROOT / FAILS).read_text())
+    result = launch("mine.py", nproc=1, args=["--mode", "write"], cwd=tmp_path, timeout=120,
+                    on_line=lambda _: None)
+    assert f"cwd {tmp_path}" in result.output
+    assert (tmp_path / "snapshot.txt").read_text() == "written by rank 0\n"
+    assert not (ROOT / "snapshot.txt").exists()
+
+
+# ---------------------------------------------------------------------------- the caller dies (issue 9 #1)
+
+CALLER = ("import sys\nfrom course.launcher import launch\n"
+          "launch(sys.argv[1], nproc=2, args=['--max-steps', '600', '--step-seconds', '0.1'], timeout=300)\n")
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_caller_ends_the_whole_job(how, wait_until):
+    import subprocess
+    import threading
+
+    import psutil
+
+    slow = str(ROOT / "tests" / "fixtures" / "slow_ranks.py")
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, slow], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    seen, job = [], []
+    threading.Thread(target=lambda: seen.extend(caller.stdout), daemon=True).start()
+    try:
+        wait_until(lambda: sum("starting" in line for line in list(seen)) >= 2, 120, "both ranks to start")
+        job += psutil.Process(caller.pid).children(recursive=True)  # torchrun, 2 ranks, the watchdog
+        assert sum(slow in " ".join(p.cmdline()) for p in job) >= 3
+        caller.send_signal(how)
+        caller.wait(10)
+        died = time.monotonic()
+
+        def gone(proc):
+            try:
+                return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(lambda: all(gone(p) for p in job), 5, "every process of the job to end")
+        print(f"{how.name}: job gone {time.monotonic() - died:.1f} s after the caller died", file=sys.stderr)
+    finally:
+        caller.kill()
+        for proc in job:  # whatever a failed test left behind
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
