@@ -1,0 +1,106 @@
+"""The one device/backend rule (course.hardware), with the accelerator report faked: CUDA x0/1/2, MPS x1,
+XPU x2, for 1 and 2 processes; plan() reports what the rule decides; the launcher plans a CPU job
+without importing torch."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import Backend
+
+from course import hardware
+from course.hardware import CPU_BACKEND, backend_for, choose, describe, pick_device
+from course.launcher import plan
+
+# (accelerator report, processes) -> (device type the ranks use, their backend)
+RANKS = {
+    ((None, 0), 1): ("cpu", "gloo"), ((None, 0), 2): ("cpu", "gloo"),
+    (("cuda", 1), 1): ("cuda", "nccl"), (("cuda", 1), 2): ("cpu", "gloo"),
+    (("cuda", 2), 1): ("cuda", "nccl"), (("cuda", 2), 2): ("cuda", "nccl"),
+    (("mps", 1), 1): ("cpu", "gloo"), (("mps", 1), 2): ("cpu", "gloo"),
+    (("xpu", 2), 1): ("xpu", "xccl"), (("xpu", 2), 2): ("xpu", "xccl"),
+}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Make this process see the given accelerator report: fake(("cuda", 2))."""
+    return lambda report: monkeypatch.setattr(hardware, "accelerator", lambda: report)
+
+
+@pytest.mark.parametrize(("report", "nproc"), list(RANKS), ids=lambda v: str(v))
+def test_rule_for_ranks(report, nproc, fake):
+    fake(report)
+    chosen = choose(nproc)
+    assert (chosen.device_type, chosen.backend) == RANKS[report, nproc], chosen.reason
+    launch_plan = plan(nproc)  # what the launcher announces
+    plain = "mps" if report[0] == "mps" and nproc == 1 else RANKS[report, nproc][0]  # a plain script may use MPS
+    assert (launch_plan.device, launch_plan.backend) == (plain, RANKS[report, nproc][1])
+    assert launch_plan.reason and launch_plan.refusal is None
+
+
+def test_rule_is_pytorchs_map_and_capability_table():
+    """Checked against the installed torch: gloo is the CPU default; PyTorch maps mps to gloo, but gloo's
+    collectives only take CPU and CUDA tensors, so ranks on a Mac use the CPU."""
+    assert CPU_BACKEND == dist.get_default_backend_for_device("cpu")
+    assert Backend.default_device_backend_map["mps"] == "gloo"
+    assert "mps" not in Backend.backend_capability["gloo"]
+    assert hardware.carries("nccl", "cuda") and hardware.carries("xccl", "xpu")
+    assert choose(1, ranks=False, report=("mps", 1)).device_type == "mps"
+    assert "cannot carry mps tensors" in choose(2, report=("mps", 1)).reason
+
+
+def test_reasons_say_why(fake):
+    assert "no accelerator found" in choose(2, report=(None, 0)).reason
+    assert "2 processes > 1 GPU" in choose(2, report=("cuda", 1)).reason
+    assert "2 XPU(s) found: one process per XPU, xccl" in choose(2, report=("xpu", 2)).reason
+    fake(("mps", 1))
+    assert "a script that starts a process group uses gloo on cpu" in plan(1).reason
+
+
+def test_explicit_backends(fake):
+    fake(("cuda", 1))
+    with pytest.raises(ValueError, match="nccl needs one GPU per process: 2 processes requested, 1 GPU\\(s\\) found"):
+        plan(2, "nccl")
+    assert (plan(1, "nccl").device, plan(2, "gloo").device) == ("cuda", "cpu")
+    fake(("xpu", 2))
+    with pytest.raises(ValueError, match="no GPU found"):
+        plan(2, "nccl")
+    assert plan(2, "xccl").device == "xpu"
+    with pytest.raises(ValueError, match="backend must be"):
+        plan(2, "smoke-signals")
+
+
+def test_pick_device_and_backend_for(fake, monkeypatch):
+    fake(("cuda", 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert pick_device(1) == torch.device("cuda", 1) and pick_device() == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert pick_device(2) == torch.device("cpu")  # 3 ranks, 2 GPUs: every rank on the CPU
+    fake(("mps", 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert pick_device() == torch.device("mps", 0) and pick_device(0) == torch.device("cpu")
+    assert backend_for(torch.device("cpu")) == "gloo" and backend_for("cuda:0") == "nccl"
+    assert backend_for("xpu") == "xccl"
+    with pytest.raises(ValueError, match="cannot carry mps tensors"):
+        backend_for("mps")
+
+
+def test_describe_separates_built_from_usable(fake):
+    fake((None, 0))
+    info = describe()
+    assert info["nccl_built"] == dist.is_nccl_available() and info["nccl_usable"] is False
+    assert "2 ranks use" in info and "gloo on cpu" in info["2 ranks use"]
+    fake(("cuda", 1))
+    assert describe()["nccl_usable"] == dist.is_nccl_available()
+
+
+def test_planning_a_cpu_job_does_not_import_torch():
+    """issue 9: from a cold process the launcher cost ~1.8 s importing torch only to count GPUs."""
+    if not hardware._no_accelerator_possible():
+        pytest.skip("this machine has accelerator device files: torch is asked")
+    code = "import sys; from course.launcher import launch, plan; plan(2); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
