@@ -46,6 +46,7 @@ def test_controls(panel):
     assert panel.script.value == str(FIXTURE)
     assert "train_ddp.py" in [value for _, value in panel.script.options]  # every scripts/*.py is offered
     assert panel.nproc.value == 2 and panel.backend.value == "auto"
+    assert {"--epochs", "--max-steps", "--run-dir"} <= panel.accepted_options()  # asked of the script
     assert not panel.epochs.disabled and not panel.max_steps.disabled  # the fixture has both flags
     assert panel.command_args() == ["--epochs", "1", "--max-steps", "400", "--step-seconds", "0.1"]
     assert panel.stop_button.disabled and not panel.launch_button.disabled
@@ -123,3 +124,22 @@ def test_full_run_finishes(tmp_path):
     # tqdm redraws one line in place: the log keeps one progress line per epoch, not one per redraw
     assert len(re.findall(r"epoch 1: +\d+%", text_of(panel))) == 1
     assert not fixture_processes()
+
+
+def test_options_come_from_the_scripts_parser(tmp_path):
+    """Not from its source text: a flag named only in a docstring is not an option, and a script without
+    an argument parser is not run just to ask (it would start working)."""
+    from course.widget import script_options
+
+    mentions = tmp_path / "mentions.py"
+    mentions.write_text('"""Unlike train_ddp.py, this has no --max-steps."""\nimport argparse\n\n'
+                        'parser = argparse.ArgumentParser()\nparser.add_argument("-e", "--epochs", type=int, '
+                        'help="like --max-steps, but whole epochs")\nparser.parse_args()\n')
+    plain = tmp_path / "plain.py"
+    plain.write_text('"""Trains at once; knows no --epochs."""\nopen(__file__ + ".ran", "w").close()\n')
+    panel = launcher_widget(str(mentions), nproc=1)
+    assert panel.accepted_options() == {"--epochs", "--help"} == script_options(mentions)
+    assert not panel.epochs.disabled and panel.max_steps.disabled
+    panel.max_steps.value = 5
+    assert panel.command_args() == ["--epochs", "1"]
+    assert script_options(plain) == frozenset() and not (tmp_path / "plain.py.ran").exists()

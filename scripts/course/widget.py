@@ -5,13 +5,18 @@
 
 The job runs through ``course.launcher.launch`` in a background thread, so the notebook stays
 usable while it trains; Stop (or shutting the kernel down) ends every rank. Combinations that
-cannot work (nccl without GPUs, more CPU ranks than cores) are refused before anything starts.
+cannot work (nccl without GPUs, more CPU ranks than cores) are refused before anything starts,
+by the same ``launcher.plan()`` that a ``launch()`` from a cell goes through. Which run-length
+fields apply is asked of the script itself (its ``--help``), once per version of the file.
 """
 
 import atexit
 import html
+import os
 import re
 import shlex
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -20,7 +25,6 @@ from pathlib import Path
 import ipywidgets as widgets
 
 from course import ROOT, SCRIPTS
-from course.hardware import cpu_cores
 from course.launcher import LaunchError, launch, plan, resolve_script
 
 # torchrun tags every line "[rankN]:". Its per-rank output tails can glue two ranks' text into one
@@ -33,6 +37,38 @@ REFRESH_S = 0.25  # repaint at most 4x a second: every repaint sends the log to 
 COLOURS = ["inherit", "#1565c0", "#2e7d32", "#ad1457", "#6a1b9a", "#e65100", "#00838f", "#5d4037"]
 
 _live = weakref.WeakSet()  # panels with a job, stopped when the kernel shuts down
+_options_cache: dict[tuple[str, int], frozenset[str]] = {}
+
+
+def script_options(script, timeout: float = 120) -> frozenset[str]:
+    """The options a script's argument parser accepts (``{"--epochs", "--run-dir", ...}``), from the
+    script's own ``--help``; cached per version of the file. A script that does not build an
+    argparse parser is not run just to ask (it might start training): it accepts nothing we know of."""
+    path = resolve_script(script)
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _options_cache:
+        options: frozenset[str] = frozenset()
+        if "ArgumentParser" in path.read_text(errors="replace"):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            try:
+                done = subprocess.run([sys.executable, str(path), "--help"], cwd=ROOT, env=env, timeout=timeout, check=False,
+                                      capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+                if done.returncode == 0:
+                    options = _parse_help(done.stdout)
+            except subprocess.TimeoutExpired:
+                pass
+        _options_cache[key] = options
+    return _options_cache[key]
+
+
+def _parse_help(text: str) -> frozenset[str]:
+    """The long options in argparse's help: the invocation part of each option line (before the help text)."""
+    found = set()
+    for line in text.splitlines():
+        if line.lstrip().startswith("-"):
+            invocation = re.split(r"\s{2,}", line.strip())[0]
+            found.update(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", invocation))
+    return frozenset(found)
 
 
 def launcher_widget(script: str = "train_ddp.py", nproc: int = 2, args: str = "", run_dir=None, *,
@@ -55,6 +91,8 @@ class LauncherPanel(widgets.VBox):
         self._bar_rows: dict = {}  # (tag, desc) -> row of the progress line that tqdm keeps redrawing
         self._progress = None  # newest (desc, n, total) from rank 0
         self._dirty = False
+        self._options: frozenset[str] = frozenset()  # what the chosen script accepts (asked in a thread)
+        self._options_ready = threading.Event()
 
         wide = {"description_width": "initial"}
         self.script = widgets.Dropdown(options=_script_options(script), value=_script_value(script),
@@ -112,31 +150,43 @@ class LauncherPanel(widgets.VBox):
             chosen = plan(self.nproc.value, self.backend.value)  # nccl without enough GPUs: ValueError
         except (ValueError, FileNotFoundError) as err:
             return str(err)
-        cores = cpu_cores()
-        if chosen.device == "cpu" and self.nproc.value > cores:
-            return (f"{self.nproc.value} processes on the CPU, but this machine has {cores} CPU cores. "
-                    f"Each rank needs a core of its own: more ranks than cores fight over them and the run "
-                    f"gets slower, not faster. Use at most {cores} processes.")
-        return None
+        return chosen.refusal  # e.g. more CPU ranks than cores: the same rule as launch()
+
+    def accepted_options(self, timeout: float = 120) -> frozenset[str]:
+        """The options the chosen script accepts (waits for the script's --help the first time)."""
+        self._options_ready.wait(timeout)
+        return self._options
 
     def command_args(self) -> list[str]:
         """Script arguments: run length (only flags the script has), then the extra args, which win."""
-        source = resolve_script(self.script.value).read_text(errors="replace")
+        options = self.accepted_options()
         args = []
-        if self.epochs.value > 0 and "--epochs" in source:
+        if self.epochs.value > 0 and "--epochs" in options:
             args += ["--epochs", str(self.epochs.value)]
-        if self.max_steps.value > 0 and "--max-steps" in source:
+        if self.max_steps.value > 0 and "--max-steps" in options:
             args += ["--max-steps", str(self.max_steps.value)]
         return args + shlex.split(self.extra.value)
 
     def _script_changed(self, _=None):
-        # Grey out run-length fields the chosen script does not understand, rather than crash it.
-        try:
-            source = resolve_script(self.script.value).read_text(errors="replace")
-        except FileNotFoundError:
-            source = ""
-        self.epochs.disabled = "--epochs" not in source
-        self.max_steps.disabled = "--max-steps" not in source
+        # Grey out run-length fields the chosen script does not understand, rather than crash it. Asking
+        # the script (python script.py --help) takes seconds the first time: a thread does it.
+        script = self.script.value
+        self._options_ready.clear()
+        self.epochs.disabled = self.max_steps.disabled = True
+
+        def ask():
+            try:
+                options = script_options(script)
+            except (OSError, ValueError):
+                options = frozenset()  # a missing script is refused, with the reason, at Launch
+            if self.script.value != script:
+                return  # changed meanwhile: the newer question answers
+            self._options = options
+            self.epochs.disabled = "--epochs" not in options
+            self.max_steps.disabled = "--max-steps" not in options
+            self._options_ready.set()
+
+        threading.Thread(target=ask, daemon=True, name="course-script-options").start()
 
     # ------------------------------------------------------------------ buttons
 
@@ -147,7 +197,7 @@ class LauncherPanel(widgets.VBox):
             return
         script, nproc, backend = self.script.value, self.nproc.value, self.backend.value
         args = self.command_args()
-        run_dir = self.run_dir() if "--run-dir" in resolve_script(script).read_text(errors="replace") else None
+        run_dir = self.run_dir() if "--run-dir" in self.accepted_options() else None
         with self._lock:
             self._lines, self._bar_rows, self._progress, self._dirty = [], {}, None, True
         self.progress.value, self.progress.bar_style, self.progress.description = 0, "", "progress"
