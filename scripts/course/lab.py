@@ -2,6 +2,9 @@
 
 Lab listens on 127.0.0.1 only, with a fresh random token, and opens notebook 00. The browser
 tests start their server with the same ``start_lab`` function, so what they test is what you run.
+Ctrl+C, ``kill`` and closing the terminal (SIGINT, SIGTERM, SIGHUP) end Lab, its kernels and their
+runs, and remove Lab's temporary folder; if this helper is killed outright (SIGKILL), a watchdog
+process does the same.
 """
 
 import argparse
@@ -19,7 +22,7 @@ import webbrowser
 from pathlib import Path
 
 from course import ROOT
-from course.launcher import free_port
+from course.launcher import free_port, start_watchdog
 
 FIRST_NOTEBOOK = "notebooks/00_environment.ipynb"
 # The "get official Jupyter news?" toast: it asks to go online, which this course never needs.
@@ -70,17 +73,24 @@ def start_lab(root=ROOT, port: int | None = None, token: str | None = None, *, i
                "JUPYTER_RUNTIME_DIR": str(state / "runtime"), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=root, env=lab_env, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    proc.state_dir = state  # so stop_lab can remove it (only the temporary folder made here)
+    proc.remove_state = state_dir is None
+    # Lab has its own session: if this process dies without stop_lab (SIGKILL), the watchdog ends it.
+    start_watchdog([proc.pid], remove=[state] if proc.remove_state else [])
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jupyter lab exited with code {proc.returncode} before answering on {base}")
-        try:
-            with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
-                proc.state_dir = state  # so stop_lab can remove it
-                return base, token, proc
-        except OSError:
-            time.sleep(0.5)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with code {proc.returncode} before answering on {base}")
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                    return base, token, proc
+            except OSError:
+                time.sleep(0.5)
+    except BaseException:  # a signal or Ctrl+C while Lab starts: do not leave it half-started
+        stop_lab(proc)
+        raise
     stop_lab(proc)
     raise RuntimeError(f"jupyter lab did not answer on {base} within {timeout:.0f} s")
 
@@ -91,9 +101,27 @@ def stop_lab(proc: subprocess.Popen) -> int:
 
     ended = kill_tree(proc.pid)
     state = getattr(proc, "state_dir", None)
-    if state and Path(state).name.startswith("course-lab-"):  # only the temporary folder we made
+    if state and getattr(proc, "remove_state", False):  # only the temporary folder start_lab made
         shutil.rmtree(state, ignore_errors=True)
     return ended
+
+
+class Stopped(Exception):
+    """A signal (Ctrl+C, kill, a closing terminal) asked the helper to stop."""
+
+
+STOP_SIGNALS = [sig for sig in (getattr(signal, "SIGHUP", None), signal.SIGTERM, signal.SIGINT) if sig]
+
+
+def _stop(signum, _frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def install_stop_handlers() -> None:
+    """SIGHUP (the terminal closed), SIGTERM (kill) and SIGINT (Ctrl+C) raise Stopped in the main thread,
+    so that main's ``finally`` ends Lab. (Lab runs in its own session: a closing terminal does not reach it.)"""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop)
 
 
 def main(argv=None) -> None:
@@ -101,20 +129,30 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=8888, help="preferred port (another free one if taken)")
     parser.add_argument("--no-browser", action="store_true", help="only print the URL")
     args = parser.parse_args(argv)
-    # `kill` / a closing terminal: end Lab and its kernels too, not only this process (Lab has its own session).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    base, token, proc = start_lab(port=free_port(args.port))
-    url = lab_url(int(base.rsplit(":", 1)[1]), token)
-    print(f"\nJupyterLab is running. Open this URL (it carries the login token):\n\n    {url}\n\n"
-          "Press Ctrl+C to stop it (its kernels and their runs stop too).\n", flush=True)
-    if not args.no_browser:
-        webbrowser.open(url)
+    install_stop_handlers()
+    proc = None
     try:
+        base, token, proc = start_lab(port=free_port(args.port))
+        url = lab_url(int(base.rsplit(":", 1)[1]), token)
+        _say(f"\nJupyterLab is running. Open this URL (it carries the login token):\n\n    {url}\n\n"
+             "Press Ctrl+C to stop it (its kernels and their runs stop too).\n")
+        if not args.no_browser:
+            webbrowser.open(url)
         proc.wait()
-    except KeyboardInterrupt:
-        print("\nstopping JupyterLab ...")
+    except (Stopped, KeyboardInterrupt) as why:
+        _say(f"\nstopping JupyterLab ({why or 'Ctrl+C'}) ...")
     finally:
-        stop_lab(proc)
+        for sig in STOP_SIGNALS:  # a second Ctrl+C must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        if proc is not None:
+            stop_lab(proc)
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except OSError:  # the terminal is gone (SIGHUP): nobody to tell
+        pass
 
 
 if __name__ == "__main__":
