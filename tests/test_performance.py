@@ -1,0 +1,184 @@
+"""Notebook 05's scripts and helpers: all-reduce bandwidth arithmetic, accumulation equivalence and its two bugs,
+the all-reduce/byte counter, the profiler trace and its timeline, and the GPU-only cells skipping on a CPU.
+Physics and structure only: no assertion on wall-clock speed."""
+
+import json
+
+import nbformat
+import pytest
+import torch
+
+from course import ROOT, import_script
+from course.launcher import launch
+from course.timeline import Timeline, intersect, load_timeline, load_timelines, merge, subtract, total
+
+QUIET = {"on_line": lambda _: None, "quiet": True, "timeout": 600}
+NOTEBOOK = ROOT / "notebooks" / "05_performance.ipynb"
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    from course.datagen import ensure_datasets
+
+    ensure_datasets(quiet=True)
+
+
+# ------------------------------------------------------------------------------------------- arithmetic
+
+
+def test_bus_bandwidth_is_the_nccl_tests_definition():
+    bench = import_script("bench_allreduce")
+    assert bench.bus_bandwidth(1.0, 2) == 1.0  # 2(n-1)/n = 1 for two ranks
+    assert bench.bus_bandwidth(2.0, 4) == pytest.approx(3.0)
+    assert bench.bus_bandwidth(1.0, 8) == pytest.approx(1.75)
+
+
+def test_interval_arithmetic():
+    assert merge([(3, 4), (0, 2), (1, 3)]) == [(0, 4)]
+    assert total([(0, 2), (1, 3), (5, 6)]) == 4
+    assert intersect([(0, 10)], [(2, 3), (8, 12)]) == [(2, 3), (8, 10)]
+    assert subtract([(0, 10)], [(2, 3), (5, 6), (9, 12)]) == [(0, 2), (3, 5), (6, 9)]
+    assert subtract([(0, 10), (20, 30)], [(-5, 1), (25, 40)]) == [(1, 10), (20, 25)]
+
+
+def _event(name, ts_ms, dur_ms, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts_ms * 1000, "dur": dur_ms * 1000, "tid": tid, "pid": 1, "cat": cat}
+
+
+def test_timeline_overlap_from_a_synthetic_trace(tmp_path):
+    """Backward computes 0-10 ms (minus a 1 ms c10d launch at 4-5); the all-reduce runs 4-14 ms on gloo's thread
+    and its span runs on into the next step (to 16 ms): clipped to backward's end (12 ms)."""
+    events = [_event("forward", -5, 5, cat="user_annotation"), _event("backward", 0, 12, cat="user_annotation"),
+              _event("autograd::engine::evaluate_function: AddmmBackward0", 0, 4),
+              _event("autograd::engine::evaluate_function: AccumulateGrad", 4, 6),
+              _event("c10d::allreduce_", 4, 1),
+              _event("gloo:all_reduce", 4, 12, tid=2, cat="user_annotation"),
+              _event("gloo:broadcast", -5, 1, tid=2, cat="user_annotation"),
+              _event("optimizer", 12, 2, cat="user_annotation"),
+              _event("autograd::engine::evaluate_function: AddmmBackward0", 13, 1)]  # outside backward: ignored
+    path = tmp_path / "rank1.json"
+    path.write_text(json.dumps({"distributedInfo": {"rank": 1}, "traceEvents": events}))
+    t = load_timeline(path)
+    assert isinstance(t, Timeline) and t.rank == 1
+    assert t.spans["all-reduce"] == [(4.0, 12.0)]
+    assert t.compute == [(0.0, 4.0), (5.0, 10.0)]
+    assert t.overlap_fraction() == pytest.approx(5 / 8)  # overlapped 5-10 of 4-12
+    assert t.busy("broadcast") == 1 and t.busy("forward") == 5 and t.busy("optimizer") == 2
+
+
+# ------------------------------------------------------------------------------------------- real runs
+
+
+def test_bench_allreduce_algbw_busbw_and_copy(tmp_path):
+    result = launch("bench_allreduce.py", 2, ["--max-mb", 16], run_dir=tmp_path / "bench", **QUIET)
+    rows, n = result.metrics["results"], result.metrics["world_size"]
+    assert n == 2 and [r["bytes"] for r in rows] == [4096 * 4**i for i in range(len(rows))]
+    assert rows[-1]["bytes"] == 16 * 2**20
+    for r in rows:
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (n - 1) / n)
+        assert r["calls"] >= 3 and r["time_s"] > 0 and r["copy_GBps"] > 0
+    # Between processes of one machine every byte crosses memory at least once: an all-reduce cannot carry
+    # much more than a local copy of the same size moves (2x: margin for timing noise).
+    assert rows[-1]["busbw_GBps"] <= 2 * rows[-1]["copy_GBps"]
+
+
+def test_accumulation_equivalence_catches_both_bugs(mnist, tmp_path):
+    k = 3
+    result = launch("perf_accumulation.py", 2, ["--micro-steps", k, "--batch-size", 8, "--steps", 4,
+                                                "--time-rounds", 0], run_dir=tmp_path / "acc", **QUIET)
+    m = result.metrics
+    assert (m["world_size"], m["micro_steps"], m["global_batch"]) == (2, k, 2 * k * 8)
+    right, no_divide, every = (m["results"][v] for v in ("right", "no_divide", "sync_every_step"))
+    assert right["max_param_diff"] <= 1e-6  # N x K x B == one process with N*K*B
+    assert no_divide["max_param_diff"] > 1e-3  # bug 1: caught by the equivalence check
+    assert every["max_param_diff"] <= 1e-6  # bug 2 trains right ...
+    assert right["all_reduces_per_step"] == 1 and every["all_reduces_per_step"] == k  # ... caught by the counter
+    assert every["bytes_per_step"] == k * right["bytes_per_step"] == k * 4 * 101_770
+    assert m["timing"] is None
+
+
+def test_precision_bytes_dtypes_and_loss(mnist, tmp_path):
+    result = launch("perf_precision.py", 2, ["--steps", 12], run_dir=tmp_path / "prec", **QUIET)
+    m = result.metrics
+    params, results = m["parameters"], m["results"]
+    assert params == 101_770
+    assert results["fp32"]["bytes_per_step"] == results["autocast"]["bytes_per_step"] == 4 * params
+    assert results["autocast"]["dtypes"]["parameters"] == results["autocast"]["dtypes"]["gradients"] == "torch.float32"
+    assert results["autocast"]["dtypes"]["output"] in ("torch.bfloat16", "torch.float16")
+    for hook in ("fp16_hook", "bf16_hook"):
+        if "unavailable" in results[hook]:  # bf16 on a build without CUDA + NCCL: refused by name
+            assert hook == "bf16_hook" and "BF16" in results[hook]["unavailable"]
+            continue
+        assert results[hook]["bytes_per_step"] == 2 * params and results[hook]["all_reduces_per_step"] == 1
+    for name, r in results.items():
+        if "loss" in r:
+            assert len(r["loss"]) == 12 and r["max_loss_diff"] <= 0.02, name
+
+
+def test_step_counts_trace_and_timeline(tmp_path):
+    trace = tmp_path / "trace"
+    result = launch("perf_step.py", 2, ["--model", "mlp", "--configs", "sync,no_sync,view", "--steps", 1,
+                                        "--rounds", 1, "--trace", trace, "--trace-steps", 2, "--unused-demo"],
+                    run_dir=tmp_path / "step", **QUIET)
+    m = result.metrics
+    configs = m["configs"]
+    assert configs["no_sync"]["all_reduces_per_step"] == 0 and configs["no_sync"]["bytes_per_step"] == 0
+    assert configs["sync"]["all_reduces_per_step"] == 1 and configs["sync"]["bytes_per_step"] == m["gradient_bytes"]
+    assert configs["view"]["gradient_storages"] < configs["sync"]["gradient_storages"] == 4  # views into 1 bucket
+    assert set(m["timing"]["values"]) == {"sync", "no_sync", "view"}
+    assert m["unused_demo"]["default"].startswith("Expected to have finished reduction")
+    assert m["unused_demo"]["find_unused_parameters"] == m["unused_demo"]["static_graph"] == "ok"
+
+    assert sorted(p.name for p in trace.glob("*.json")) == ["rank0.json", "rank1.json"]
+    timelines = load_timelines(trace)
+    assert list(timelines) == [0, 1]
+    for t in timelines.values():
+        assert len(t.spans["forward"]) == len(t.spans["backward"]) == len(t.spans["optimizer"]) == 2
+        assert len(t.spans["all-reduce"]) >= 1 and t.compute
+        assert 0 <= t.overlap_fraction() <= 1
+        backward = t.spans["backward"]
+        assert intersect(t.spans["all-reduce"], backward) == t.spans["all-reduce"]  # clipped to backward
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course.timeline import draw
+
+    figure = draw(timelines)
+    assert [label.get_text() for label in figure.axes[0].get_yticklabels()] == [
+        "rank 0 step", "rank 0 comm", "rank 1 step", "rank 1 comm"]
+    figure.savefig(tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------------- the notebook
+
+
+def test_notebook_writes_its_scripts_and_tags_its_special_cells():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    written = [c.source.partition("\n")[0] for c in nb.cells if c.source.startswith("%%writefile")]
+    assert written == [f"%%writefile ../scripts/{name}" for name in
+                       ("perf_precision.py", "perf_accumulation.py", "perf_step.py", "bench_allreduce.py")]
+    tagged = [c for c in nb.cells if {"gpu-only", "skips-in-quick"} & set(c.metadata.get("tags", []))]
+    assert len(tagged) == 3 and all("skipped" in c.source for c in tagged)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine these cells run instead of skipping")
+def test_gpu_only_cells_skip_with_a_reason_on_a_cpu(tmp_path, monkeypatch):
+    """The setup cell, then every cell tagged gpu-only or skips-in-quick, run in a kernel in quick mode."""
+    monkeypatch.setenv("COURSE_QUICK", "1")
+    from course.run_notebooks import execute
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    setup = next(c for c in nb.cells if c.cell_type == "code")
+    special = [c for c in nb.cells if {"gpu-only", "skips-in-quick"} & set(c.metadata.get("tags", []))]
+    nb.cells = [setup, *special]
+    path = tmp_path / "05_special_cells.ipynb"
+    nbformat.write(nb, path)
+    ok, _, error = execute(path, out_dir=tmp_path / "out", cell_timeout=300)
+    assert ok, error[-3000:]
+    executed = nbformat.read(tmp_path / "out" / path.name, as_version=4)
+    for cell in executed.cells[1:]:
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert text.startswith("skipped") and text.count("\n") == 1, text  # one sentence, why
