@@ -1,3 +1,4 @@
+# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """Pitfall 12 of notebook 04: a collective that only some ranks call.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_collective.py --bug --timeout 10  # hangs
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from course.args import positive_float, positive_int
 from course.hardware import backend_for, pick_device
 
 
@@ -23,14 +25,14 @@ from course.hardware import backend_for, pick_device
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bug", action="store_true", help="all_reduce inside `if rank == 0:`")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--timeout", type=float, default=60, help="process-group timeout, seconds")
+    parser.add_argument("--steps", type=positive_int, default=6)
+    parser.add_argument("--timeout", type=positive_float, default=60, help="process-group timeout, seconds")
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: print every thread's stack
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
     print(f"rank {rank}: pid {os.getpid()}", flush=True)
 

@@ -1,9 +1,11 @@
+# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """Pitfalls 1 and 3 of notebook 04: which device each rank uses, and tensors left on another device.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_device.py                    # correct
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_device.py --bug loss-weight  # class weights
     torchrun ... scripts/pitfall_device.py --bug plain-attribute  # a tensor that model.to() does not move
-    torchrun ... scripts/pitfall_device.py --bug set-device       # 2+ GPUs: no set_device, all on cuda:0
+    torchrun ... scripts/pitfall_device.py --bug set-device       # GPU: no set_device, every rank on GPU 0
+    torchrun ... scripts/pitfall_device.py --bug set-device --backend gloo  # the same, with gloo
 """
 import argparse
 import gc
@@ -40,24 +42,28 @@ class Net(nn.Module):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bug", choices=["none", "set-device", "loss-weight", "plain-attribute"], default="none")
+    parser.add_argument("--backend", choices=["auto", "gloo"], default="auto",
+                        help="auto: the device's own backend (nccl on NVIDIA GPUs)")
     args = parser.parse_args()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 
     if args.bug == "set-device":
-        if torch.accelerator.device_count() < 2:
-            raise SystemExit("--bug set-device needs 2 or more GPUs")
-        device = torch.device("cuda")  # BUG: no index and no set_device: every rank uses cuda:0
+        if not torch.accelerator.is_available():
+            raise SystemExit("--bug set-device needs a GPU: without one there is no GPU 0 to crowd onto")
+        device = torch.device(torch.accelerator.current_accelerator().type)  # BUG: no index, no set_device
     else:
         device = pick_device(local_rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # before anything touches the GPU
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=60))
+        if device.type != "cpu":
+            torch.accelerator.set_device_index(device.index)  # torch.cuda.set_device: before any GPU work
+    backend = backend_for(device) if args.backend == "auto" else args.backend
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
 
     model = Net(bug=args.bug == "plain-attribute").to(device)
     # The per-rank device check: run it first thing in a new job. Each GPU rank must show its own device.
-    cuda_now = torch.cuda.current_device() if torch.cuda.is_available() else "n/a (no GPU)"
-    print(f"rank {rank} (local rank {local_rank}): parameters on {next(model.parameters()).device}, "
-          f"current CUDA device {cuda_now}", flush=True)
+    current = torch.accelerator.current_device_index() if device.type != "cpu" else "n/a (CPU)"
+    print(f"rank {rank} (local rank {local_rank}, {backend}): parameters on {next(model.parameters()).device}, "
+          f"current GPU index {current}", flush=True)
+    # Construction broadcasts rank 0's parameters and buffers: the job's first collective.
     model = DDP(model, device_ids=[device.index] if device.index is not None else None)
 
     class_weights = torch.tensor([1.0, 2.0, 1.0, 1.0], device=STRAY if args.bug == "loss-weight" else device)
@@ -71,8 +77,6 @@ def main():
         loss.backward()
         optimizer.step()
     print(f"rank {rank}: 3 steps done on {device}, loss {loss.item():.3f}", flush=True)
-    # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
-    # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
     del model
     gc.collect()
     dist.destroy_process_group()

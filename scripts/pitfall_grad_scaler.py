@@ -1,3 +1,4 @@
+# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """GradScaler under DDP (notebook 04): every rank has its own scaler, and DDP never synchronises it.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_grad_scaler.py
@@ -23,7 +24,7 @@ def train(device, rank, restored_on_every_rank: bool) -> None:
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16)
     if restored_on_every_rank or rank == 0:  # BUG when only rank 0 restores it
         scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0**10})  # as if resumed from a checkpoint
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.index is not None else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     for step in range(3):
@@ -50,8 +51,8 @@ def train(device, rank, restored_on_every_rank: bool) -> None:
 def main():
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=60))
     for every_rank in (True, False):
         train(device, rank, every_rank)

@@ -1,3 +1,4 @@
+# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """Pitfalls 9 and 10 of notebook 04: checkpoints and logs written by every rank, or by rank 0 only.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_rank0.py --bug   # every rank logs and saves
@@ -16,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 
+from course.args import positive_int, repo_path
 from course.checkpoint import load_checkpoint, save_checkpoint
 from course.hardware import backend_for, pick_device
 from course.models import mlp
@@ -25,14 +27,14 @@ from course.models import mlp
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bug", action="store_true", help="every rank logs and saves; keys keep 'module.'")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--run-dir", default="runs/04_pitfalls/rank0")
-    parser.add_argument("--checkpoint", default="weights/pitfall_rank0.pt")
+    parser.add_argument("--steps", type=positive_int, default=10)
+    parser.add_argument("--run-dir", type=repo_path, default="runs/04_pitfalls/rank0")
+    parser.add_argument("--checkpoint", type=repo_path, default="weights/04_pitfalls_rank0.pt")
     args = parser.parse_args()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=60))
     world_size = dist.get_world_size()
     if rank == 0:  # start from an empty run directory, so that only this run's event files are there

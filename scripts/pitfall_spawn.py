@@ -1,3 +1,4 @@
+# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """Pitfall 11 of notebook 04: a worker for torch.multiprocessing.spawn, in an importable file.
 
     python scripts/pitfall_spawn.py   # 2 processes started with mp.spawn, no torchrun
@@ -5,13 +6,14 @@ Spawned processes re-import their function by module and name; a notebook's func
 kernel's __main__, which they cannot import, so a worker started from a notebook must come from a file.
 """
 import os
-import socket
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from course.launcher import free_port
 
 
 def worker(rank: int, world_size: int, port: int) -> None:
@@ -21,12 +23,6 @@ def worker(rank: int, world_size: int, port: int) -> None:
     dist.all_reduce(total)
     print(f"spawned rank {rank} of {world_size} (pid {os.getpid()}): all_reduce sum {total.item():.0f}", flush=True)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
