@@ -44,10 +44,10 @@ def main():
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)
     train_set, _ = lab_datasets()
-    sampler = DistributedSampler(train_set, seed=args.seed)
-    batches = iter(DataLoader(train_set, args.batch_size, sampler=sampler))
     model = DDP(mlp(8, 32, 1).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    sampler = DistributedSampler(train_set, seed=args.seed)
+    batches = iter(DataLoader(train_set, args.batch_size, sampler=sampler))  # after the model: this draws a seed
     trace = Trace(args.out, rank, model.module)  # for the checker: the parameters after every step
 
     for step in range(args.steps):

@@ -110,8 +110,7 @@ class CheckResult:
             last = self.hint_level >= len(ex.hints_for(self.diagnosis))
             lines.append(f"(hint('{self.exercise}') for the next hint" if not last else
                          f"(no more hints for this; solution('{self.exercise}') shows the reference solution")
-            lines[-1] += f"; the full output is in {_rel(RUNS / NOTEBOOK)}/ex{self.exercise}/output.txt)" \
-                if self.facts.get("launched") else ")"
+            lines[-1] += f"; the job's whole output: {self.facts['output']})" if self.facts.get("output") else ")"
         return "\n".join(lines)
 
 
@@ -194,6 +193,8 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
         except _Stop as stop:
             verdict = stop.verdict
     seconds = time.monotonic() - start
+    if verdict.facts.get("launched") and (work / "output.txt").exists():
+        verdict.facts["output"] = _rel(work / "output.txt")
 
     entry = results.entry(key)
     entry["checks"] += 1
@@ -463,15 +464,13 @@ def _failure(run: Run, path: Path, timeout: float) -> None:
                       "a loop that never ends, or a rank waiting for a partner.", status="error", launched=True)
     hang = [c for c in crashes if any(m in c.error for m in HANG_MESSAGES)]
     if hang:
-        parts = []
-        for c in crashes:
-            where = _where(c, path) or "outside your script"
-            kind = "timed out" if "Timed out" in c.error else "failed"
-            parts.append(f"rank {c.rank} {kind} at {where} ({c.error})")
-        waited = [c for c in hang if "Timed out" in c.error]
-        lead = (f"rank {waited[0].rank} waited {PG_TIMEOUT_S} s in a collective for a partner that never came"
-                if waited else "a collective was called by one rank and not matched by the other")
-        _fail("hang", f"{lead}; " + "; ".join(parts) + ".", status="error", launched=True, crashes=len(crashes))
+        waited = [c for c in crashes if "Timed out" in c.error]
+        parts = [f"rank {c.rank} {'waited' if c in waited else 'failed'} at "
+                 f"{_where(c, path) or 'a line outside your script'}" + ("" if c in waited else f" ({c.error})")
+                 for c in crashes]
+        lead = (f"the job hung: a rank waited in a collective that the other never joined, until the {PG_TIMEOUT_S} s "
+                "process-group timeout" if waited else "a collective of one rank was not matched by the other")
+        _fail("hang", f"{lead}. " + "; ".join(parts) + ".", status="error", launched=True, crashes=len(crashes))
     if crashes:
         first = crashes[0]
         where = _where(first, path)
@@ -868,6 +867,124 @@ def _guarded(path: Path, fn, what: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Exercise 4: overlap communication with backward (hooks, buckets, asynchronous all_reduce)
+
+EX4 = {"steps": 8, "batch": 32, "lr": 0.05, "seed": 0, "cap": 4500}
+
+
+def _ex4_reference(world: int = 1) -> Trajectory:
+    data = regression_data(EX4["steps"] * EX4["batch"], seed=EX4["seed"])
+    return _simulate(lambda: mlp(8, 64, 64, 64, 64, 1), data, nn.functional.mse_loss, world=world,
+                     per_rank=EX4["batch"] // world, steps=EX4["steps"], lr=EX4["lr"], seed=EX4["seed"],
+                     sampler="fixed")
+
+
+def _per_step(rec: dict, op: str = "all_reduce") -> list[list[dict]]:
+    """The rank's collectives of kind ``op``, grouped by the optimizer step they preceded."""
+    steps, calls = rec["steps"], [c for c in rec["collectives"] if c["op"] == op]
+    grouped, prev = [], float("-inf")
+    for t in steps:
+        grouped.append([c for c in calls if prev < c["t"] <= t])
+        prev = t
+    return grouped
+
+
+def _check_overlap(path: Path, work: Path, backend: str, timeout: float) -> Verdict:
+    run = _launch(path, ["--steps", EX4["steps"], "--batch-size", EX4["batch"], "--bucket-cap", EX4["cap"],
+                         "--lr", EX4["lr"], "--seed", EX4["seed"]], work, backend, timeout)
+    _failure(run, path, timeout)
+    verdict = _compare_traces(run, _ex4_reference(), "every step", loss_ref=_ex4_reference(NPROC))
+    trace = _load_trace(run, 0)
+    buckets, n_params = trace["meta"].get("buckets"), len(trace["names"])
+    started = during = asynchronous = 0
+    into, lead = [], []  # per step: how far into backward() the first bucket started, and how long before its end
+    for rank, rec in sorted(run.records.items()):
+        per_step = _per_step(rec)
+        counts = [len(calls) for calls in per_step]
+        if any(c != buckets for c in counts):
+            symptom = (f"the result is right, but rank {rank} called all_reduce {counts} times in its "
+                       f"{len(counts)} steps; there are {buckets} buckets")
+            if all(c == n_params for c in counts):
+                _fail("per-parameter", symptom + f": one collective per parameter ({n_params}), not per bucket.",
+                      launched=True)
+            _fail("collective-count", symptom + ".", launched=True)
+        for calls, (b_start, b_end) in zip(per_step, rec["backward"]):
+            started += len(calls)
+            during += sum(b_start <= c["t"] <= b_end for c in calls)
+            asynchronous += sum(c["async"] for c in calls)
+            if calls and b_end > b_start:
+                into.append((calls[0]["t"] - b_start) / (b_end - b_start))
+                lead.append(b_end - calls[0]["t"])
+    into.sort()
+    lead.sort()
+    overlap = (f"{during} of {started} bucket all-reduces (both ranks, all steps) started before backward() returned, "
+               f"{asynchronous} of them asynchronous" + ("" if during else ": none overlapped the backward pass"))
+    if during and into:
+        overlap += (f"; in the median step the first bucket started {into[len(into) // 2]:.0%} of the way into "
+                    f"backward(), {lead[len(lead) // 2] * 1e3:.1f} ms before it returned")
+    return Verdict("pass", "pass", f"{verdict.symptom[:-1]}; {buckets} all_reduce calls per step = {buckets} buckets, "
+                   f"on every rank. Measured, not required: {overlap}.", {**verdict.facts, "overlapped": during,
+                                                                           "collectives": started})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exercise 5: ZeRO-1, the optimizer state sharded across the ranks
+
+EX5 = {"steps": 8, "batch": 32, "lr": 0.01, "seed": 0}
+
+
+def _ex5_build():
+    return mlp(32, 32, 32, 32, 32)
+
+
+def _ex5_reference(world: int = 1) -> Trajectory:
+    data = regression_data(EX5["steps"] * EX5["batch"], dim_in=32, dim_out=32, seed=EX5["seed"])
+    return _simulate(_ex5_build, data, nn.functional.mse_loss, world=world, per_rank=EX5["batch"] // world,
+                     steps=EX5["steps"], lr=EX5["lr"], seed=EX5["seed"], sampler="fixed", optimizer="adam")
+
+
+def _adam_state_bytes() -> int:
+    """Bytes of Adam's state for the whole model, as one process holds it."""
+    model = _ex5_build()
+    optimizer = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+
+
+def _check_zero(path: Path, work: Path, backend: str, timeout: float) -> Verdict:
+    run = _launch(path, ["--steps", EX5["steps"], "--batch-size", EX5["batch"], "--lr", EX5["lr"],
+                         "--seed", EX5["seed"]], work, backend, timeout)
+    _failure(run, path, timeout)
+    ref = _ex5_reference()
+    try:
+        verdict = _compare_traces(run, ref, "every step", loss_ref=_ex5_reference(NPROC))
+    except _Stop as stop:
+        v = stop.verdict
+        if v.diagnosis in ("differs", "summed", "halved") and "step" in v.facts:
+            k, trace = v.facts["step"], _load_trace(run, 0)
+            still = [name for name, a, b in zip(trace["names"], trace["params"][k - 1], trace["params"][k])
+                     if _close(a, b)]
+            if still:
+                v.diagnosis = "not-updated"
+                v.symptom = (f"after step {k} both ranks agree, but {len(still)} of {len(trace['names'])} parameters "
+                             f"did not change at all ({', '.join(still[:4])}{' ...' if len(still) > 4 else ''}).")
+        raise
+    full = _adam_state_bytes()
+    held = {rank: rec["state_bytes"] for rank, rec in sorted(run.records.items())}
+    shares = ", ".join(f"rank {r} {b:,} bytes ({b / full:.0%})" for r, b in held.items())
+    if max(held.values()) > full * (1 / NPROC + 0.15):
+        _fail("state-not-sharded", f"the parameters are right, but the optimizer state is not sharded: {shares} of "
+              f"the {full:,} bytes one process holds for the whole model.", launched=True)
+    if sum(held.values()) < full * 0.95:
+        _fail("state-missing", f"the ranks together hold less optimizer state than the whole model needs: {shares} "
+              f"of {full:,} bytes.", launched=True)
+    return Verdict("pass", "pass", f"{verdict.symptom[:-1]}. Adam state per rank: {shares} of the {full:,} bytes "
+                   "one process holds.", verdict.facts)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Exercise 6: the debugging lab (three broken DDP scripts; each check runs the fixed script)
 
 EX6 = {"epochs": 2, "per_rank": 16, "lr": 0.05, "seed": 0}
@@ -1098,6 +1215,50 @@ EX3_HINTS = {
     "no-class": ["Keep the class name ShardSampler: the check looks for it."],
 }
 
+EX4_HINTS = {
+    "summed": ["The step is world-size times too large: the buckets were summed over the ranks, not averaged.",
+               "all_reduce sums; where do you divide?",
+               "Divide each bucket's flat tensor by the world size after wait(), before copying it back."],
+    "ranks-differ": [("The ranks applied different gradients: some averages did not arrive, or arrived after "
+                      "they were used."),
+                     ("An asynchronous all_reduce returns at once; its result is in the tensor only after the "
+                      "handle's wait(). And the result is in the *flat* tensor, not in the .grad tensors."),
+                     ("In finish(): for each pending (handle, flat, i): handle.wait(), divide flat by the world size, "
+                      "then copy each parameter's slice of flat back into its .grad (view_as).")],
+    "differs": [("The ranks agree with each other but not with the reference: the averaged gradients were not "
+                 "written back correctly."),
+                ("Check the slicing: the offsets into the flat tensor must follow the bucket's parameter order, "
+                 "the same order used by torch.cat."),
+                "Copy flat[offset:offset + q.numel()].view_as(q.grad) into q.grad, then advance offset by q.numel()."],
+    "per-parameter": [("Every parameter got its own collective: correct, but the point of buckets is fewer, larger "
+                       "messages."),
+                      "Start a collective only when the *last* gradient of a bucket is ready (count them).",
+                      ("In on_grad_ready: when ready[i] == len(buckets[i]), torch.cat the bucket's gradients and "
+                       "all_reduce that one tensor.")],
+    "collective-count": [("The number of all_reduce calls per step differs from the number of buckets (see the counts "
+                          "above)."),
+                         ("If the counts are right in step 0 and wrong later: are the ready-counters reset after each "
+                          "step? If some buckets are never reduced: does every parameter have a hook?"),
+                         "Register the hook on every parameter; reset ready and pending in finish()."],
+    "hang": COMMON_HINTS["hang"],
+}
+
+EX5_HINTS = {
+    "ranks-differ": [("After the step the ranks hold different values: each rank updated only its own parameters, "
+                      "and the others never learned the new values."),
+                     "Which collective sends one rank's tensor to all the others, and which rank must send it?",
+                     "After optimizer.step(), broadcast every parameter from its owner: src=owner[p]."],
+    "not-updated": [("Some parameters never change: their owner's update did not reach the ranks (or was overwritten "
+                     "by an old copy)."),
+                    "Who has the new value of a parameter after optimizer.step()? Only its owner.",
+                    "Broadcast each parameter with src=owner[p], not from a fixed rank."],
+    "state-not-sharded": [("Every rank keeps Adam's state for the whole model: the results are right, the memory is "
+                           "not saved."),
+                          "Adam creates state for the parameters you pass it. Which ones should this rank pass?",
+                          "Build Adam over `mine`, the parameters this rank owns."],
+    "state-missing": ["Some parameters have no owner's optimizer: every parameter must be in exactly one rank's Adam."],
+}
+
 EX6A_HINTS = {
     "hang": [("The job hangs: one rank waits in a collective, the other waits somewhere else. The lines above show "
               "where each rank was when the timeout ended it."),
@@ -1127,7 +1288,8 @@ EX6B_HINTS = {
 }
 
 EX6C_HINTS = {
-    "accum-not-divided": ["The step is as many times too large as there are accumulation steps.",
+    "accum-not-divided": ["The factor is also the number of accumulation steps (--accum 4): something adds up once "
+                          "per micro-batch.",
                           ("backward() adds to .grad. Compare the gradient after 4 micro-batches with the gradient "
                            "of one batch of the same 4× size (notebook 04 section 13 compares steps like this)."),
                           ("Each micro-batch's loss is a mean over its samples; the 4 backward() calls add 4 means. "
@@ -1139,6 +1301,8 @@ EXERCISES: dict[str, Exercise] = {
     "1": Exercise("1", "Convert a script to DDP", "ex1_convert.py", _check_convert, EX1_HINTS),
     "2": Exercise("2", "DDP by hand", "ex2_by_hand.py", _check_by_hand, EX2_HINTS),
     "3": Exercise("3", "A DistributedSampler by hand", "ex3_sampler.py", _check_sampler, EX3_HINTS),
+    "4": Exercise("4", "Overlap: buckets and hooks", "ex4_overlap.py", _check_overlap, EX4_HINTS),
+    "5": Exercise("5", "ZeRO-1: shard the optimizer state", "ex5_zero1.py", _check_zero, EX5_HINTS),
     "6a": Exercise("6a", "Debugging lab: a hang", "ex6a_debug.py", _check_hang, EX6A_HINTS),
     "6b": Exercise("6b", "Debugging lab: the same every epoch", "ex6b_debug.py", _check_epochs, EX6B_HINTS),
     "6c": Exercise("6c", "Debugging lab: a step too large", "ex6c_debug.py", _check_accumulation, EX6C_HINTS),
