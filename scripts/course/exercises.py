@@ -1288,8 +1288,8 @@ EX6B_HINTS = {
 }
 
 EX6C_HINTS = {
-    "accum-not-divided": ["The factor is also the number of accumulation steps (--accum 4): something adds up once "
-                          "per micro-batch.",
+    "accum-not-divided": [("The factor is also the number of accumulation steps (--accum 4): something adds up once "
+                           "per micro-batch."),
                           ("backward() adds to .grad. Compare the gradient after 4 micro-batches with the gradient "
                            "of one batch of the same 4× size (notebook 04 section 13 compares steps like this)."),
                           ("Each micro-batch's loss is a mean over its samples; the 4 backward() calls add 4 means. "
