@@ -8,7 +8,8 @@ Trains the MLP on the digits four times, from the same initial weights on the sa
   autocast   torch.autocast: bf16 on CPUs (no scaler needed), fp16 with torch.amp.GradScaler on CUDA
   fp16_hook  fp32 training; the gradient buckets are all-reduced in fp16 (like fp16_compress_hook)
   bf16_hook  the same in bf16 (like bf16_compress_hook)
-A counting communication hook (course.commhooks) records the all-reduces and bytes of every step.
+A counting communication hook (course.commhooks) records the all-reduces and bytes of every step;
+metrics.json holds every loss curve (TensorBoard too: loss/<config>).
 """
 import argparse
 import gc
@@ -24,6 +25,7 @@ from torch.utils.data import default_collate
 from course.args import positive_float, positive_int, repo_path
 from course.commhooks import CommCounter
 from course.data import build_datasets
+from course.errors import reported_once
 from course.hardware import backend_for, pick_device
 from course.models import mlp
 from course.runlog import RunLog
@@ -31,7 +33,7 @@ from course.runlog import RunLog
 CONFIGS = ("fp32", "autocast", "fp16_hook", "bf16_hook")
 
 
-def train(config, device, batches, lr, seed):
+def train(config, device, batches, lr, seed, log):
     """Loss per step (mean over all ranks), all-reduces and bytes per step, and the dtypes seen."""
     torch.manual_seed(seed)
     model = DDP(mlp().to(device), device_ids=[device.index] if device.type != "cpu" else None)
@@ -57,6 +59,7 @@ def train(config, device, batches, lr, seed):
         mean_loss = loss.detach().float().clone()
         dist.all_reduce(mean_loss)  # not a gradient: not counted by the hook
         losses.append(mean_loss.item() / dist.get_world_size())
+        log.scalar(f"loss/{config}", losses[-1], len(losses))
     all_reduces, sent = counts[-1]  # the first step may differ: DDP rebuilds its buckets after it
     params = next(model.parameters())
     dtypes = {"output": str(output.dtype), "parameters": str(params.dtype), "gradients": str(params.grad.dtype)}
@@ -75,6 +78,10 @@ def main():
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+    params = sum(p.numel() for p in mlp().parameters())
+    with reported_once(rank):  # a run directory in use or not writable: one line, before the process group
+        log = RunLog(args.run_dir, enabled=rank == 0, script="perf_precision", world_size=world_size,
+                     device=str(device), backend=backend_for(device), parameters=params, steps=args.steps)
     dist.init_process_group(backend_for(device))
 
     train_set, _, _ = build_datasets("mnist")
@@ -85,10 +92,11 @@ def main():
     results = {}
     for config in CONFIGS:
         try:
-            results[config] = train(config, device, batches, args.lr, seed=0)
-        except TypeError as error:  # torch rejects bf16 hooks on builds without CUDA + NCCL
+            results[config] = train(config, device, batches, args.lr, seed=0, log=log)
+        except TypeError as error:  # register_comm_hook refuses bf16 hooks on builds without CUDA + NCCL
+            if config != "bf16_hook":
+                raise
             results[config] = {"unavailable": str(error)}
-    params = sum(p.numel() for p in mlp().parameters())
     reference = results["fp32"]["loss"]
     lines = [f"{'config':<10} {'all-reduces':>11} {'bytes/step':>10} {'bytes/param':>11} {'max |loss - fp32|':>17}"]
     for config, r in results.items():
@@ -101,8 +109,7 @@ def main():
                      f"{r['bytes_per_param']:>11.1f} {r['max_loss_diff']:>17.4f}")
     if rank == 0:
         print("\n".join(lines), flush=True)
-    RunLog(args.run_dir, enabled=rank == 0, script="perf_precision", world_size=world_size, device=str(device),
-           backend=backend_for(device), parameters=params, steps=args.steps).finish(results=results)
+    log.finish(results=results)  # metrics.json; TensorBoard shows the loss/* curves
     gc.collect()  # free the DDP models first: otherwise gloo sometimes aborts at exit (torch 2.14, CPU)
     dist.destroy_process_group()
 

@@ -92,7 +92,7 @@ def main():
     parser.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds (course.measure)")
     parser.add_argument("--trace", type=repo_path, help="also profile --trace-steps steps of the first config here")
     parser.add_argument("--trace-steps", type=positive_int, default=3)
-    parser.add_argument("--unused-demo", action="store_true", help="show DDP with a parameter that gets no gradient")
+    parser.add_argument("--unused-demo", action="store_true", help="with --model mlp: DDP and a parameter that gets no gradient")
     parser.add_argument("--run-dir", type=repo_path, default="runs/05_performance/step")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -110,8 +110,11 @@ def main():
     labels = torch.randint(classes, (args.batch_size,), device=device)
     ids = [device.index] if device.type != "cpu" else None
 
+    def model_of(config):
+        return "sync" if config == "no_sync" else config  # no_sync: the sync model, its all-reduce skipped
+
     models, counters, first_step = {}, {}, {}
-    for name in dict.fromkeys("sync" if c == "no_sync" else c for c in configs):  # no_sync uses sync's model
+    for name in dict.fromkeys(map(model_of, configs)):
         torch.manual_seed(0)
         model = DDP(build_model(args.model, classes).to(device), device_ids=ids, **OPTIONS[name])
         counters[name] = CommCounter()
@@ -121,7 +124,7 @@ def main():
 
     def seconds_per_step(config):
         """Median of --steps steps after one untimed warm-up step, on the slowest rank."""
-        model, optimizer = models["sync" if config == "no_sync" else config]
+        model, optimizer = models[model_of(config)]
         times = []
         for i in range(args.steps + 1):
             begin = time.perf_counter()
@@ -137,8 +140,7 @@ def main():
                      unit="s/step", higher_is_better=False)
     per_config = {}
     for name in configs:
-        model, optimizer = models["sync" if name == "no_sync" else name]
-        counter = counters["sync" if name == "no_sync" else name]
+        (model, optimizer), counter = models[model_of(name)], counters[model_of(name)]
         counter.take()
         with nullcontext() if name != "no_sync" else model.no_sync():
             nn.functional.cross_entropy(model(images), labels).backward()  # one step, counted
@@ -151,7 +153,7 @@ def main():
 
     if args.trace:  # each rank writes its own Chrome trace: open it in Perfetto or chrome://tracing
         args.trace.mkdir(parents=True, exist_ok=True)
-        model, optimizer = models["sync" if configs[0] == "no_sync" else configs[0]]
+        model, optimizer = models[model_of(configs[0])]
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
                      ) as prof:
             for _ in range(args.trace_steps):
