@@ -34,12 +34,12 @@ def parse_args():
 
 def start_from_the_same_weights(model):
     """(a) Make every rank's parameters equal to rank 0's."""
-    ...  # TODO (a)
+    ...  # TODO (a): every rank's parameters equal to rank 0's
 
 
 def average_gradients(model, world_size):
     """(b) After backward(): replace every gradient by its average over the ranks."""
-    ...  # TODO (b)
+    ...  # TODO (b): every gradient replaced by its average over the ranks
 
 
 def main():

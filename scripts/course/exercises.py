@@ -5,7 +5,7 @@ single-process reference, step by step, answering **pass** or a hint in plain wo
     check("2")        # launch scripts/ex2_by_hand.py on 2 processes and compare it with the reference
     hint("2")         # the next, more precise hint for exercise 2
     solution("2")     # the reference solution, as a diff against your script
-    progress()        # every exercise's status, read from runs/09_build_it_yourself/results.json
+    progress()        # every exercise's status, from runs/09_build_it_yourself/results.json
 
 How a check works: it reads the script (a syntax error or a gap still marked ``...  # TODO`` is reported
 without running anything), launches it with ``torchrun`` through ``course.launcher.launch`` under
@@ -96,6 +96,12 @@ class CheckResult:
     @property
     def passed(self) -> bool:
         return self.status == "pass"
+
+    def __repr__(self) -> str:
+        return f"CheckResult(exercise={self.exercise!r}, status={self.status!r}, diagnosis={self.diagnosis!r})"
+
+    def _ipython_display_(self) -> None:
+        """A notebook shows nothing more for a result: check() has printed the report already."""
 
     def report(self) -> str:
         ex = EXERCISES[self.exercise]
@@ -268,17 +274,21 @@ def solution(exercise: str | int, script: str | os.PathLike | None = None):
     return ref
 
 
-def progress(results_file=None, show: bool = True) -> list[dict]:
-    """The status of every exercise (a table in a notebook, text elsewhere); returns the rows."""
+def progress(results_file=None) -> None:
+    """Show the status of every exercise: a table in a notebook, text elsewhere."""
+    results = Results(results_file)
+    _show_table(progress_rows(results_file), results.path)
+
+
+def progress_rows(results_file=None) -> list[dict]:
+    """The status of every exercise, as read from the results file."""
     results = Results(results_file)
     rows = []
     for key, ex in EXERCISES.items():
         entry = results.data["exercises"].get(key, {})
-        status = entry.get("status", "not tried")
-        rows.append({"exercise": key, "title": ex.title, "status": status, "checks": entry.get("checks", 0),
-                     "last result": entry.get("symptom", "")[:110], "when": entry.get("when", "")})
-    if show:
-        _show_table(rows, results.path)
+        rows.append({"exercise": key, "title": ex.title, "status": entry.get("status", "not tried"),
+                     "checks": entry.get("checks", 0), "last result": entry.get("symptom", "")[:110],
+                     "when": entry.get("when", "")})
     return rows
 
 
@@ -286,7 +296,7 @@ def _show_table(rows, path) -> None:
     mark = {"pass": "✅ pass", "fail": "❌ not yet", "error": "❌ error", "not solved": "… not solved yet",
             "not tried": "· not tried"}
     done = sum(r["status"] == "pass" for r in rows)
-    title = f"{done} of {len(rows)} exercises pass (from {_rel(path)})"
+    title = f"{done} of {len(rows)} checks pass (exercise 6 has three; read from {_rel(path)})"
     try:
         from IPython import get_ipython
         from IPython.display import HTML, display
@@ -879,6 +889,16 @@ def _ex4_reference(world: int = 1) -> Trajectory:
                      sampler="fixed")
 
 
+def _ex4_bucket_count(cap: int) -> int:
+    """How many buckets the stub's make_buckets builds for exercise 4's model (the same rule, computed here)."""
+    count, size = 0, 0
+    for p in reversed(list(mlp(8, 64, 64, 64, 64, 1).parameters())):
+        if size and size + p.numel() > cap:
+            count, size = count + 1, 0
+        size += p.numel()
+    return count + (size > 0)
+
+
 def _per_step(rec: dict, op: str = "all_reduce") -> list[list[dict]]:
     """The rank's collectives of kind ``op``, grouped by the optimizer step they preceded."""
     steps, calls = rec["steps"], [c for c in rec["collectives"] if c["op"] == op]
@@ -895,7 +915,7 @@ def _check_overlap(path: Path, work: Path, backend: str, timeout: float) -> Verd
     _failure(run, path, timeout)
     verdict = _compare_traces(run, _ex4_reference(), "every step", loss_ref=_ex4_reference(NPROC))
     trace = _load_trace(run, 0)
-    buckets, n_params = trace["meta"].get("buckets"), len(trace["names"])
+    buckets, n_params = _ex4_bucket_count(EX4["cap"]), len(trace["names"])
     started = during = asynchronous = 0
     into, lead = [], []  # per step: how far into backward() the first bucket started, and how long before its end
     for rank, rec in sorted(run.records.items()):
@@ -1276,6 +1296,7 @@ EX6A_HINTS = {
 }
 
 EX6B_HINTS = {
+    "sampler": ["Keep the training loop reading its DistributedSampler once per epoch: the check records what it yields."],
     "same-order": [("Every epoch shows each rank exactly the same samples in the same order: the model sees one "
                     "fixed order over and over."),
                    ("Print the first indices of each rank's sampler in every epoch (list(sampler)[:5], notebook 04 "
