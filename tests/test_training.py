@@ -247,3 +247,19 @@ def test_short_run_from_another_cwd_logs_a_loss_and_writes_under_the_course_root
     assert m["steps"] == 3 and math.isfinite(m["final_train_loss"]) and len(m["train_loss_history"]) == 1
     assert m["samples_per_s"] is None and m["timed_steps"] == 0
     assert "done: no step timed after the warm-up" in result.stdout
+
+
+def test_notebook_03_step_cells_quote_the_script():
+    """Every code line shown in notebook 03's five step cells is in train_ddp.py (so they cannot drift apart)."""
+    import nbformat
+
+    script = (SCRIPTS / "train_ddp.py").read_text()
+    cells = [c.source for c in nbformat.read(ROOT / "notebooks" / "03_ddp_five_steps.ipynb", as_version=4).cells
+             if c.cell_type == "markdown" and c.source.startswith("### Step ")]
+    assert [c.split(":")[0] for c in cells] == [f"### Step {n}" for n in range(1, 6)]
+    for cell in cells:
+        block = cell.split("```python\n", 1)[1].split("```", 1)[0]
+        for line in block.splitlines():
+            for fragment in line.split("  #", 1)[0].strip().split("..."):
+                fragment = fragment.strip(" ,()")
+                assert fragment in script, f"{cell.splitlines()[0]}: {fragment!r} is not in train_ddp.py"
