@@ -109,7 +109,7 @@ def plan(nproc: int, backend: str = "auto", *, allow_oversubscribe: bool = False
     if device == "cpu" and nproc > cores and not allow_oversubscribe:
         refusal = (f"{nproc} processes on the CPU, but this machine has {cores} CPU cores. Each rank needs a "
                    f"core of its own: more ranks than cores fight over them and the run gets slower, not "
-                   f"faster. Use at most {cores} processes (or allow_oversubscribe=True to see it happen).")
+                   f"faster. Use at most {cores} processes.")
     return Plan(nproc, chosen.backend, device, threads, reason, refusal, acc, count)
 
 
@@ -171,10 +171,11 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
     """
     chosen = plan(nproc, backend, allow_oversubscribe=allow_oversubscribe)
     if chosen.refusal:
-        raise LaunchRefused(chosen.refusal)
+        raise LaunchRefused(f"{chosen.refusal} (To see what it does anyway: allow_oversubscribe=True.)")
     workdir = ROOT if cwd is None else _in_root(cwd)
     if not workdir.is_dir():
         raise FileNotFoundError(f"cwd: no such folder: {workdir}")
+    script_path = resolve_script(script, cwd=workdir if cwd is not None else None)
     args = list(args)
     if run_dir is not None:
         run_dir = _in_root(run_dir)
@@ -185,8 +186,7 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
         # torchrun keeps per-rank logs and error files (@record) there; ours is removed after the job.
         log_dir = tempfile.mkdtemp(prefix="course-torchrun-")
         torchrun_args = ["--log-dir", log_dir, *torchrun_args]
-    cmd = torchrun_command(resolve_script(script, cwd=workdir if cwd is not None else None), nproc, args,
-                           torchrun_args, standalone=standalone)
+    cmd = torchrun_command(script_path, nproc, args, torchrun_args, standalone=standalone)
     job_env = {"OMP_NUM_THREADS": str(chosen.threads_per_rank), **(env or {})}
     if chosen.device == "cpu" and chosen.accelerator == "cuda" and chosen.accelerators > 0:
         job_env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on a GPU box: keep every rank on the CPU
@@ -209,7 +209,7 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
         emit(f"[launcher] exit code {result.returncode} after {result.wall_time:.1f} s\n")
     if check and result.returncode != 0:
         raise LaunchError(f"{Path(script).name} failed (exit code {result.returncode}): {result.failure}\n"
-                          "(the full output: show_report(error) from course.launcher, or error.output)",
+                          "(full output: course.launcher.show_report(error), or error.output)",
                           output=result.output, failure=result.failure, result=result)
     return result
 
@@ -407,7 +407,7 @@ def _from_error_file(entry: dict) -> list[str]:
     """The traceback a rank wrote with @record: from its error file, else from the report's copy."""
     if entry["error_file"] in ("", "<N/A>"):
         return []
-    text = entry["message"]
+    text = "\n".join(line.removeprefix("  ") for line in entry["message"].splitlines())
     try:
         data = json.loads(Path(entry["error_file"]).read_text())
         message = data["message"]
