@@ -7,6 +7,10 @@
 Nothing is lost: while a run is going, its events go to ``<run_dir>/in_progress/`` (TensorBoard shows
 them live there) and the previous run's events and metrics.json stay where they are. Only ``finish()``
 replaces them, so a run that crashes, is stopped or is given bad values leaves the last good results.
+
+A run resumed from a checkpoint taken at step N passes ``resume_step=N``: the crashed run's events in
+``in_progress/`` are kept, and TensorBoard hides the ones it logged after step N (``purge_step``), so the
+curve continues without a gap or a repeated stretch. ``flush()`` when a checkpoint is written.
 """
 
 import json
@@ -28,7 +32,7 @@ class RunDirBusy(CourseError):
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, enabled: bool = True, **config):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, resume_step: int | None = None, **config):
         self.run_dir = in_repo(run_dir)
         self.enabled = enabled
         self.start = time.time()
@@ -38,16 +42,23 @@ class RunLog:
         if enabled:
             self._lock()
             staging = self.run_dir / STAGING
-            shutil.rmtree(staging, ignore_errors=True)  # a crashed run's partial events, never results
+            if resume_step is None:
+                shutil.rmtree(staging, ignore_errors=True)  # a crashed run's partial events, never results
             from torch.utils.tensorboard import SummaryWriter  # only the process that writes pays for it
 
-            self.writer = SummaryWriter(str(staging))
+            # purge_step: TensorBoard drops this run's earlier events at steps >= it (logged after the checkpoint)
+            self.writer = SummaryWriter(str(staging), purge_step=None if resume_step is None else resume_step + 1)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer:
             self.writer.add_scalar(tag, value, step)
         if tag == "train/loss":
             self.loss_history.append((step, float(value)))
+
+    def flush(self) -> None:
+        """Put the events logged so far on disk (e.g. with each checkpoint: a crash loses none of them)."""
+        if self.writer:
+            self.writer.flush()
 
     def finish(self, **results) -> dict:
         """Replace the previous results with this run's: events first, then metrics.json (atomically)."""
