@@ -152,7 +152,7 @@ class Exercise:
     script: str
     check: Callable
     hints: dict
-    read_first: str = ""
+    launches: bool = True  # False: checked in this process (exercise 3)
 
     def hints_for(self, diagnosis: str) -> list[str]:
         return self.hints.get(diagnosis) or COMMON_HINTS.get(diagnosis) or COMMON_HINTS["differs"]
@@ -192,7 +192,7 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
     start = time.monotonic()
     verdict = _static_check(ex, path)
     if verdict is None:
-        if show and key not in ("3",):
+        if show and ex.launches:
             print(f"running {_rel(path)} on {NPROC} processes and the single-process reference ...", flush=True)
         try:
             verdict = ex.check(path, work, backend=backend, timeout=timeout)
@@ -1331,7 +1331,7 @@ EX6C_HINTS = {
 EXERCISES: dict[str, Exercise] = {
     "1": Exercise("1", "Convert a script to DDP", "ex1_convert.py", _check_convert, EX1_HINTS),
     "2": Exercise("2", "DDP by hand", "ex2_by_hand.py", _check_by_hand, EX2_HINTS),
-    "3": Exercise("3", "A DistributedSampler by hand", "ex3_sampler.py", _check_sampler, EX3_HINTS),
+    "3": Exercise("3", "A DistributedSampler by hand", "ex3_sampler.py", _check_sampler, EX3_HINTS, launches=False),
     "4": Exercise("4", "Overlap: buckets and hooks", "ex4_overlap.py", _check_overlap, EX4_HINTS),
     "5": Exercise("5", "ZeRO-1: shard the optimizer state", "ex5_zero1.py", _check_zero, EX5_HINTS),
     "6a": Exercise("6a", "Debugging lab: a hang", "ex6a_debug.py", _check_hang, EX6A_HINTS),
