@@ -1,0 +1,110 @@
+# Written by notebooks/08_sharding_fsdp.ipynb - edit it there; running the notebook rewrites this file.
+"""Load a sharded checkpoint (the folder train_fsdp.py writes) on any number of ranks, evaluate it, export it.
+
+torch.distributed.checkpoint (DCP) stores every tensor as pieces, each with its offset in the whole tensor,
+so a folder written by 2 ranks loads onto 1, 3 or 4: each rank reads the parts of the pieces that overlap
+its own shard. With --export, rank 0 then writes one ordinary file that a plain single-device script loads
+with torch.load(path, weights_only=True).
+
+    torchrun --standalone --nproc-per-node=1 scripts/fsdp_checkpoint.py weights/train_fsdp --export weights/train_fsdp.pt
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Subset
+
+from course.args import repo_path
+from course.checkpoint import check_writable, save_checkpoint
+from course.data import build_datasets
+from course.errors import CourseError, reported_once
+from course.hardware import backend_for, pick_device
+from course.models import DEFAULT_MODEL, build_model
+from course.runlog import RunLog
+from course.sharding import blocks, local_bytes
+
+
+@record
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=repo_path, help="a DCP folder written by train_fsdp.py")
+    parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist", help="as when it was saved")
+    parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="as when it was saved")
+    parser.add_argument("--export", type=repo_path, help="write the whole model here, as one ordinary file")
+    parser.add_argument("--run-dir", type=repo_path, default="runs/fsdp_checkpoint")
+    args = parser.parse_args()
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = pick_device(int(os.environ["LOCAL_RANK"]))
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    with reported_once(rank):  # a missing folder or dataset: one line, before the group starts
+        if not (args.checkpoint / ".metadata").is_file():
+            raise CourseError(f"{args.checkpoint} is not a DCP checkpoint (it has no .metadata)")
+        _, val_set, num_classes = build_datasets(args.dataset)
+        if args.export:
+            check_writable(args.export)
+        log = RunLog(args.run_dir, enabled=rank == 0, script="fsdp_checkpoint", world_size=world_size,
+                     checkpoint=str(args.checkpoint), export=str(args.export) if args.export else None)
+    dist.init_process_group(backend_for(device))
+    mesh = init_device_mesh(device.type, (world_size,))
+
+    # The same model, sharded the same way, but over *this* job's ranks; and the same kind of optimizer,
+    # so that its state (SGD's momentum) has somewhere to go.
+    model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    # What to fill: this rank's shards, named as in the plain model. dcp.load reads into them in place.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "epoch": -1, "step": -1}
+    dcp.load(state, checkpoint_id=args.checkpoint)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    # Where the pieces came from: the metadata lists, for each tensor, the pieces the saving ranks wrote.
+    name, param = next(iter(model.named_parameters()))
+    pieces = dcp.FileSystemReader(args.checkpoint).read_metadata().state_dict_metadata[f"model.{name}"].chunks
+    print(f"rank {rank}: {name} {list(param.shape)} was saved as {len(pieces)} piece(s) of rows "
+          f"{[(p.offsets[0], p.offsets[0] + p.sizes[0]) for p in pieces]}; this rank now holds "
+          f"{list(param.to_local().shape)}; {local_bytes(model.parameters())} bytes of parameters here", flush=True)
+
+    # Evaluate as train_fsdp.py does: every rank the same number of images, counts summed over the ranks.
+    end = len(val_set) - len(val_set) % world_size
+    model.eval()
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for images, labels in DataLoader(Subset(val_set, range(rank, end, world_size)), 256):
+            images, labels = images.to(device), labels.to(device)
+            counts += torch.stack([(model(images).argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)])
+    dist.all_reduce(counts)
+    correct, total = counts.tolist()
+
+    # Export: gather every shard into whole tensors on rank 0's CPU memory (a collective: every rank calls it).
+    if args.export:
+        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            save_checkpoint({"model": whole, "epoch": state["epoch"], "step": state["step"]}, args.export)
+    if rank == 0:
+        print(f"loaded step {state['step']} (epoch {state['epoch']}) on {world_size} rank(s): "
+              f"val accuracy {correct / total:.4f} ({correct}/{total})"
+              + (f"; exported to {args.export}" if args.export else ""), flush=True)
+    log.finish(step=state["step"], epoch=state["epoch"], saved_pieces=len(pieces), val_correct=correct,
+               val_total=total, val_accuracy=correct / total)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

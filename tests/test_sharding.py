@@ -1,0 +1,170 @@
+"""Notebook 08: the memory prediction, measured bytes per rank (DDP, ZeRO-1, ZeRO-2-like, FSDP2) on 2 gloo
+ranks, collective counts, FSDP2 = single-process training, DCP checkpoints saved on 2 ranks and loaded on 1,
+exported to a plain file."""
+
+import pytest
+import torch
+
+from course import ROOT
+from course.launcher import LaunchError, launch
+from course.models import build_model
+from course.scriptdiff import script_diff
+from course.sharding import STRATEGIES, CollectiveCounter, blocks, local_bytes, model_states, predict
+
+QUIET = {"on_line": lambda _: None, "quiet": True}
+TOLERANCE = 0.02  # what notebook 08 states: measured model states within 2 % of the prediction
+
+
+def run(script, nproc, args, run_dir, **kw):
+    return launch(script, nproc=nproc, args=args, run_dir=run_dir, timeout=600, **QUIET, **kw)
+
+
+def test_prediction_is_the_zero_table():
+    psi, n = 1e9, 8
+    p = {s: model_states(v) for s, v in predict(psi, n).items()}
+    assert p == {"DDP": 16 * psi, "ZeRO-1": 8 * psi + 8 * psi / n, "ZeRO-2-like": 4 * psi + 16 * psi / n,
+                 "FSDP2": 16 * psi / n}
+    assert predict(psi, n)["DDP"]["working copies"] == 0
+    assert predict(psi, n, blocks=10)["FSDP2"]["working copies"] == 2 * 4 * psi / 10  # two gathered blocks
+    bf16 = predict(psi, n, bf16=True, blocks=10)
+    assert bf16["DDP"]["working copies"] == bf16["ZeRO-1"]["working copies"] == 2 * psi  # autocast's copies
+    assert model_states(bf16["FSDP2"]) == p["FSDP2"]  # the fp32 master shards stay
+    assert model_states(bf16["ZeRO-2-like"]) == 16 * psi / n and bf16["ZeRO-2-like"]["working copies"] == 2 * psi
+    assert model_states(predict(psi, 1)["DDP"]) == model_states(predict(psi, 64)["DDP"])  # never lower
+
+
+def test_local_bytes_counts_each_storage_once():
+    a = torch.zeros(1000)
+    assert local_bytes([a, a[:10], a.view(10, 100), None]) == 4000
+    assert local_bytes([a, torch.zeros(10, dtype=torch.bfloat16)]) == 4020
+    assert local_bytes([a], exclude={a.untyped_storage().data_ptr()}) == 0
+
+
+def test_blocks_of_the_course_models():
+    assert [type(b).__name__ for b in blocks(build_model("mlp", 10))] == ["Linear", "Linear"]
+    assert len(blocks(build_model("cnn", 5))) == 4  # three conv blocks and the head
+    assert [type(b).__name__ for b in blocks(build_model("resnet18", 5))] == ["BasicBlock"] * 8
+
+
+def test_collective_counter_sees_c10d_calls():
+    import torch.distributed as dist
+
+    from course.launcher import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with CollectiveCounter() as counter:
+            dist.all_reduce(torch.ones(256))
+            dist.broadcast(torch.ones(10), src=0)
+            torch.ones(3) + 1  # not a collective
+    finally:
+        dist.destroy_process_group()
+    summary = counter.summary(world_size=2)
+    assert set(summary) == {"all-reduce", "broadcast"}
+    assert summary["all-reduce"]["calls"] == 1 and summary["all-reduce"]["payload_bytes"] == 1024
+    assert summary["all-reduce"]["sent_bytes"] == 1024  # 2(N-1)/N of the payload with N = 2
+
+
+def test_train_fsdp_is_train_ddp_plus_six_marked_steps():
+    diff = script_diff("train_ddp.py", "train_fsdp.py", marker=r"FSDP step (\d)")
+    assert diff.steps == {1, 2, 3, 4, 5, 6}
+    assert not diff.unmarked, diff.unmarked
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    """shard_memory.py on 2 ranks, ResNet-18 (what notebook 08 measures), with one short timed round."""
+    run_dir = tmp_path_factory.mktemp("memory")
+    return run("shard_memory.py", 2, ["--model", "resnet18", "--batch-size", 2, "--image-size", 32,
+                                      "--time-steps", 1, "--rounds", 1], run_dir).metrics
+
+
+def test_measured_bytes_per_rank_match_the_prediction(memory):
+    psi, measured = memory["psi"], memory["measured"]
+    assert psi == sum(p.numel() for p in build_model("resnet18", 5).parameters())
+    predicted = predict(psi, 2, blocks=memory["groups"])
+    for strategy in STRATEGIES:
+        assert len(measured[strategy]) == 2
+        for rank in measured[strategy]:
+            gap = model_states(rank) / model_states(predicted[strategy]) - 1
+            assert abs(gap) <= TOLERANCE, (strategy, gap)
+            assert rank["activations"] > 0
+    ddp, fsdp = measured["DDP"][0], measured["FSDP2"][0]
+    assert ddp["parameters"] == ddp["gradients"] == 4 * psi  # replicated, exactly
+    assert abs(model_states(fsdp) / model_states(ddp) - 0.5) < 0.001  # FSDP2 on 2 ranks: half
+    assert ddp["ddp_bucket_bytes"] == pytest.approx(4 * psi, rel=0.01)  # a second copy of the gradients
+
+
+def test_collectives_per_step(memory):
+    psi, groups = memory["psi"], memory["groups"]
+    calls = {s: {k: v["calls"] for k, v in memory["measured"][s][0]["collectives"].items()} for s in STRATEGIES}
+    payload = {s: {k: v["payload_bytes"] for k, v in memory["measured"][s][0]["collectives"].items()}
+               for s in STRATEGIES}
+    assert payload["DDP"]["all-reduce"] == pytest.approx(4 * psi, rel=0.001)  # every gradient, in buckets
+    assert "all-gather" not in calls["DDP"]
+    tensors = len(list(build_model("resnet18", 5).parameters()))
+    assert calls["ZeRO-1"]["broadcast"] == calls["DDP"].get("broadcast", 0) + tensors  # each updated parameter
+    assert calls["FSDP2"] == {"all-gather": 2 * groups, "reduce-scatter": groups}  # forward + backward
+    assert calls["ZeRO-2-like"] == {"all-gather": groups, "reduce-scatter": groups}  # no re-gather in backward
+    assert payload["FSDP2"]["all-gather"] == pytest.approx(8 * psi, rel=0.001)
+
+
+def test_timing_goes_through_compare(memory):
+    timing = memory["timing"]
+    assert set(timing["comparison"]["values"]) == {"DDP", "FSDP2"}
+    assert timing["comparison"]["unit"] == "s/step" and timing["comparison"]["higher_is_better"] is False
+    assert set(timing["collective_seconds"]) == {"all-reduce", "all-gather", "reduce-scatter"}
+    assert timing["verdict"].startswith("FSDP2:")
+
+
+@pytest.fixture(scope="module")
+def fsdp_and_single(datasets, tmp_path_factory):
+    """train_single.py (1 x 64) and train_fsdp.py (2 x 32, fp32) for the same 20 steps."""
+    tmp = tmp_path_factory.mktemp("equivalence")
+    common = ["--dataset", "mnist", "--epochs", 1, "--max-steps", 20, "--log-every", 1]
+    single = run("train_single.py", 1, common + ["--batch-size", 64, "--checkpoint", tmp / "single.pt"],
+                 tmp / "single").metrics
+    fsdp = run("train_fsdp.py", 2, common + ["--batch-size", 32, "--no-bf16", "--checkpoint", tmp / "dcp"],
+               tmp / "fsdp").metrics
+    return tmp, single, fsdp
+
+
+def test_fsdp2_trains_the_same_model_as_one_process(fsdp_and_single):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tmp, single, fsdp = fsdp_and_single
+    assert fsdp["world_size"] == 2 and fsdp["global_batch"] == 64 and fsdp["bf16"] is False
+    assert sorted(p.name for p in (tmp / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    losses = list(zip(single["train_loss_history"], fsdp["train_loss_history"]))
+    assert len(losses) == 20 and max(abs(a[1] - b[1]) / a[1] for a, b in losses) <= 1e-4
+    dcp_to_torch_save(tmp / "dcp", tmp / "joined.pt")
+    joined = torch.load(tmp / "joined.pt", weights_only=True)
+    reference = torch.load(tmp / "single.pt", weights_only=True)["model"]
+    assert joined["step"] == 20 and joined["model"].keys() == reference.keys()
+    assert max((joined["model"][k] - reference[k]).abs().max().item() for k in reference) <= 1e-5
+
+
+def test_checkpoint_saved_on_two_ranks_loads_on_one_and_exports_a_plain_file(fsdp_and_single):
+    tmp, _, fsdp = fsdp_and_single
+    loaded = run("fsdp_checkpoint.py", 1, [tmp / "dcp", "--export", tmp / "exported.pt"], tmp / "load").metrics
+    assert loaded["world_size"] == 1 and loaded["saved_pieces"] == 2 and loaded["step"] == 20
+    assert loaded["val_correct"] == fsdp["val_correct"] and loaded["val_total"] == fsdp["val_total"]
+    state = torch.load(tmp / "exported.pt", map_location="cpu", weights_only=True)
+    model = build_model("mlp", 10)
+    model.load_state_dict(state["model"])  # strict: a plain model, no prefixes, no DTensors
+    assert all(type(t) is torch.Tensor for t in state["model"].values())
+
+
+def test_not_a_checkpoint_is_one_clear_error(datasets, tmp_path):
+    with pytest.raises(LaunchError) as error:
+        run("fsdp_checkpoint.py", 1, [tmp_path], tmp_path / "run")
+    assert "is not a DCP checkpoint" in str(error.value)
+
+
+def test_notebook_08_writes_its_scripts():
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "08_sharding_fsdp.ipynb", as_version=4)
+    written = {c.source.split("\n", 1)[0] for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%")}
+    assert written == {f"%%writefile ../scripts/{name}"
+                       for name in ("shard_memory.py", "train_fsdp.py", "fsdp_checkpoint.py")}
