@@ -5,7 +5,8 @@
     torchrun --standalone --nproc-per-node=2 scripts/ex1_convert.py --batch-size 16
 
 --batch-size is per process: 2 processes x 16 = the global batch 32 of ex1_single.py.
-Writes <out>/log.jsonl (the loss of every step, then the validation counts) and <out>/model.pt, from one process.
+Writes <out>/log.jsonl (the loss of every step, then the validation counts) and <out>/model.pt, from one
+process.
 Fill in each `...  # TODO` and follow each other `# TODO`: they mark every line the conversion touches.
 """
 import argparse
@@ -25,7 +26,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--lr", type=float, default=0.5)

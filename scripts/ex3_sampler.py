@@ -32,6 +32,6 @@ class ShardSampler(Sampler[int]):
         return self.num_samples
 
     def __iter__(self):
-        indices = ...  # TODO (b): every index 0..n-1, shuffled with seed + epoch if self.shuffle (a list of ints)
+        indices = ...  # TODO (b): a list of every index 0..n-1, shuffled with seed + epoch if self.shuffle
         ...  # TODO (c): pad (drop_last=False) or cut (drop_last=True) to num_samples * num_replicas indices
         return iter(...)  # TODO (d): this rank's share

@@ -24,7 +24,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="global: split between the ranks")
     parser.add_argument("--bucket-cap", type=int, default=4500, help="elements per bucket, at most")
@@ -49,7 +50,7 @@ def make_buckets(params, cap):
 
 
 class BucketedAllReduce:
-    """Averages the gradients over the ranks: one asynchronous all_reduce per bucket, started during backward()."""
+    """Averages gradients over the ranks: one asynchronous all_reduce per bucket, started in backward()."""
 
     def __init__(self, model, world_size, cap):
         self.world_size = world_size
@@ -57,17 +58,17 @@ class BucketedAllReduce:
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)  # how many gradients of each bucket are ready in this step
         self.pending = []  # (handle, flat tensor, bucket index) of every all_reduce started in this step
-        ...  # TODO (a): have autograd call self.on_grad_ready(p) as soon as each parameter's p.grad is complete
+        ...  # TODO (a): have autograd call self.on_grad_ready(p) as soon as each parameter's .grad is ready
 
     def on_grad_ready(self, p):
         """Called by autograd, during backward(), as soon as p.grad is complete."""
         i = self.bucket_of[p]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
-            ...  # TODO (b): all_reduce the bucket's gradients as one flat tensor, asynchronously; keep the handle
+            ...  # TODO (b): all_reduce the bucket's gradients as one flat tensor, asynchronously; keep it
 
     def finish(self):
-        """Before optimizer.step(): wait for every started all_reduce and write the averages back into .grad."""
+        """Before optimizer.step(): wait for every started all_reduce, write the averages back into .grad."""
         ...  # TODO (c): wait for each pending all_reduce, then put the averages back into the gradients
         self.pending, self.ready = [], [0] * len(self.buckets)
 

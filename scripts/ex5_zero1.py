@@ -25,7 +25,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="global: split between the ranks")
     parser.add_argument("--lr", type=float, default=0.01)
@@ -36,7 +37,7 @@ def parse_args():
 
 
 def assign_owners(params, world_size):
-    """Each parameter's owner rank: the biggest parameters first, each to the rank that owns the fewest elements."""
+    """Each parameter's owner rank: the biggest first, each to the rank that owns the fewest elements."""
     load, owner = [0] * world_size, {}
     for p in sorted(params, key=lambda p: -p.numel()):
         rank = load.index(min(load))

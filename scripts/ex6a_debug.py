@@ -22,7 +22,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)
@@ -34,7 +35,7 @@ def parse_args():
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Mean squared error over the whole validation set: each rank sums over its part, the parts are added up."""
+    """Mean squared error over the whole validation set: each rank sums over its part, the sums are added."""
     sums = torch.zeros(2, device=device)  # [sum of squared errors, number of samples]
     for x, y in loader:
         x, y = x.to(device), y.to(device)

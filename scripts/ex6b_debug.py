@@ -3,7 +3,7 @@
 
     torchrun --standalone --nproc-per-node=2 scripts/ex6b_debug.py
 
-Bug report: "It trains, but the losses of epoch 1 go up and down exactly like those of epoch 0, step for step."
+Bug report: "It trains, but the losses of epoch 1 go up and down exactly like those of epoch 0, step by step."
 """
 import argparse
 import os
@@ -20,7 +20,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--lr", type=float, default=0.05)

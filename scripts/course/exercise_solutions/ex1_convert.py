@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node=2 scripts/ex1_convert.py --batch-size 16
 
 --batch-size is per process: 2 processes x 16 = the global batch 32 of ex1_single.py.
-Writes <out>/log.jsonl (the loss of every step, then the validation counts) and <out>/model.pt, from one process.
+Writes <out>/log.jsonl (the loss of every step, then the validation counts) and <out>/model.pt, from one
+process.
 """
 import argparse
 import json
@@ -23,7 +24,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--lr", type=float, default=0.5)
@@ -54,12 +56,12 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights on every run
     train_set, val_set = wave_datasets()
     # DDP step 4: each rank reads every world_size-th index of the same seeded permutation, so that the
-    # ranks' batches of a step together are the single-device script's batch; validation split without padding.
+    # ranks' batches of a step together are the single-device script's batch. Validation: split, no padding.
     sampler = DistributedSampler(train_set, seed=args.seed)
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
     val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), 100)
 
-    model = DDP(WaveNet().to(device))  # DDP step 3: rank 0's weights everywhere; gradients averaged in backward
+    model = DDP(WaveNet().to(device))  # DDP step 3: rank 0's weights everywhere; gradients averaged
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     out = Path(args.out)

@@ -20,7 +20,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="global: split between the ranks")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -49,7 +50,7 @@ def main():
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
     data = regression_data(args.steps * args.batch_size, seed=args.seed)
-    torch.manual_seed(args.seed + rank)  # each rank seeds differently (as for data augmentation): its own weights
+    torch.manual_seed(args.seed + rank)  # each rank seeds differently (as for augmentation): its own weights
     model = mlp(8, 32, 32, 1).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 

@@ -21,7 +21,8 @@ from course.hardware import backend_for, pick_device
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="global: split between the ranks")
     parser.add_argument("--bucket-cap", type=int, default=4500, help="elements per bucket, at most")
@@ -46,7 +47,7 @@ def make_buckets(params, cap):
 
 
 class BucketedAllReduce:
-    """Averages the gradients over the ranks: one asynchronous all_reduce per bucket, started during backward()."""
+    """Averages gradients over the ranks: one asynchronous all_reduce per bucket, started in backward()."""
 
     def __init__(self, model, world_size, cap):
         self.world_size = world_size
@@ -68,7 +69,7 @@ class BucketedAllReduce:
             self.pending.append((dist.all_reduce(flat, async_op=True), flat, i))
 
     def finish(self):
-        """Before optimizer.step(): wait for every started all_reduce and write the averages back into .grad."""
+        """Before optimizer.step(): wait for every started all_reduce, write the averages back into .grad."""
         # (c) wait() returns when the sum has arrived; then divide and copy each slice back
         for handle, flat, i in self.pending:
             handle.wait()
