@@ -640,14 +640,23 @@ def _check_convert(path: Path, work: Path, backend: str, timeout: float) -> Verd
                          "--seed", EX1["seed"]], work, backend, timeout)
     _failure(run, path, timeout)
     log, ckpt = work / "log.jsonl", work / "model.pt"
-    for f in (log, ckpt):
-        writers = sorted(r for r, rec in run.records.items() if str(f.resolve()) in rec["writes"])
-        if not writers:
+    writers = {f: sorted(r for r, rec in run.records.items() if str(f.resolve()) in rec["writes"])
+               for f in (log, ckpt)}
+
+    def one_writer():
+        for f, ranks in writers.items():
+            if len(ranks) > 1:
+                _fail("every-rank-writes", f"{f.name} was written by {len(ranks)} processes (ranks "
+                      f"{', '.join(map(str, ranks))}): they overwrite each other's file.", launched=True)
+
+    for f, ranks in writers.items():
+        if not ranks or not f.exists():
             _fail("no-output", f"no process wrote {f.name} in the --out folder ({_rel(work)}).", launched=True)
-        if len(writers) > 1:
-            _fail("every-rank-writes", f"{f.name} was written by {len(writers)} processes (ranks "
-                  f"{', '.join(map(str, writers))}): they overwrite each other's file.", launched=True)
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    try:  # the numbers first (the training itself); who writes comes after, unless the log is torn
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    except ValueError:
+        one_writer()
+        _fail("log-unreadable", f"{log.name} is not one JSON record per line.", launched=True)
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_total" in r]
     ref = _ex1_reference()
@@ -674,6 +683,7 @@ def _check_convert(path: Path, work: Path, backend: str, timeout: float) -> Verd
             _fail("not-averaged", symptom + "; your numbers are those of ranks that each train alone on their "
                   "own half, never sharing gradients.", launched=True)
         _fail("loss-differs", symptom + ".", launched=True)
+    one_writer()
     state = torch.load(ckpt, weights_only=True)
     keys = list(state)
     if any(k.startswith("module.") for k in keys):
