@@ -6,7 +6,8 @@
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=job1 scripts/whoami.py
 
 Faults to study (notebook 06): --crash-rank R fails rank R in the first attempt (with torchrun --max-restarts);
---absent-rank R keeps rank R away from the barrier that the others wait at (who is missing?).
+--rank0-late S delays rank 0 of a restarted attempt; --absent-rank R keeps rank R away from the barrier that
+the others wait at (who is missing?).
 """
 import argparse
 import os
@@ -28,6 +29,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeout", type=positive_float, default=60, help="seconds a collective may wait")
     parser.add_argument("--crash-rank", type=nonnegative_int, help="this rank raises in the first attempt")
+    parser.add_argument("--rank0-late", type=positive_float, help="seconds rank 0 of a restarted attempt waits "
+                        "before joining the group (as a slower machine would)")
     parser.add_argument("--absent-rank", type=nonnegative_int, help="this rank never reaches the barrier")
     parser.add_argument("--wait", choices=["monitored_barrier", "all_reduce"], default="monitored_barrier",
                         help="what the others wait in for the absent rank (monitored_barrier names it)")
@@ -46,6 +49,8 @@ def main():
     print(" ".join(f"{k}={v}" for k, v in env.items()), f"host={socket.gethostname()} agent_pid={os.getppid()}",
           flush=True)
     timeout = timedelta(seconds=args.timeout)
+    if args.rank0_late and rank == 0 and attempt > 0:
+        time.sleep(args.rank0_late)
     dist.init_process_group(backend_for(device), timeout=timeout)
     world = dist.get_world_size()
     # monitored_barrier exists only in gloo: with nccl, the waiting happens in a gloo group of its own.
