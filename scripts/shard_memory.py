@@ -42,7 +42,9 @@ def wrap(strategy, model, device, mesh, bf16):
         # ZeRO-1: each rank keeps Adam's state for its own subset of the (whole) parameters, updates those
         # after DDP's all-reduce, then broadcasts them to the other ranks.
         return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy()  # fp32; with bf16: gathered and computed in bf16, gradients reduced in fp32
+    if bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     reshard = strategy == "FSDP2"  # ZeRO-2-like: the gathered parameters stay from forward to backward
     for block in blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)

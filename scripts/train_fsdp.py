@@ -108,8 +108,9 @@ def main():
     val_loader = DataLoader(val_set, 256, num_workers=args.workers)
 
     model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
-    # FSDP step 3: gather and compute in bf16, reduce gradients in fp32; the optimizer updates fp32 shards.
-    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy()  # FSDP step 3: fp32 throughout; with bf16 (accelerators), gather and compute
+    if bf16:  # in bf16, reduce-scatter gradients in fp32; the optimizer updates the fp32 shards
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # FSDP step 1: shard block by block, then the root (what is left, e.g. a stem or a head). Each call makes
     # one group: its parameters are gathered in one all-gather just before its forward (and backward), its
     # gradients reduce-scattered in one call; so only one or two blocks are ever whole at a time. Every rank
