@@ -8,7 +8,6 @@
     torchrun ... scripts/pitfall_device.py --bug set-device --backend gloo  # the same, with gloo
 """
 import argparse
-import gc
 import os
 from datetime import timedelta
 
@@ -77,8 +76,6 @@ def main():
         loss.backward()
         optimizer.step()
     print(f"rank {rank}: 3 steps done on {device}, loss {loss.item():.3f}", flush=True)
-    del model
-    gc.collect()
     dist.destroy_process_group()
 
 

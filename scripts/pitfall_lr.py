@@ -9,7 +9,6 @@ Trains the MNIST MLP (SGD with momentum 0.9, as train_ddp.py) three ways, each o
 interleaved and repeated with a new seed each round (course.measure.compare); rank 0 prints val accuracy.
 """
 import argparse
-import gc
 import os
 from datetime import timedelta
 
@@ -48,8 +47,6 @@ def train(batch_per_rank: int, lr: float, seed: int, args, train_set, val_part, 
         counts = sum(torch.stack([(model(x.to(device)).argmax(1) == y.to(device)).sum(),
                                   torch.tensor(len(y), device=device)]) for x, y in DataLoader(val_part, 1000))
     dist.all_reduce(counts)
-    del model
-    gc.collect()
     return counts[0].item() / counts[1].item()
 
 

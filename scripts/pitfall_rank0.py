@@ -5,7 +5,6 @@
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_rank0.py         # rank 0 only, then a barrier
 """
 import argparse
-import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -86,8 +85,6 @@ def main():
         print(f"rank {rank}: loaded onto {device}, weights equal to the trained model: {same}", flush=True)
     # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
     # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
-    del model
-    gc.collect()
     dist.destroy_process_group()
 
 

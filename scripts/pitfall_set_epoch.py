@@ -7,7 +7,6 @@
 Each rank prints the first indices its sampler gives, per epoch (the diagnosis), then the val accuracy.
 """
 import argparse
-import gc
 import os
 from datetime import timedelta
 
@@ -55,8 +54,6 @@ def train(args, call_set_epoch: bool, seed: int, train_set, val_part, num_classe
     if rank == 0:
         print(f"[{case}, seed {seed}] val accuracy {accuracy:.4f} after {args.epochs} epochs "
               f"({world_size} ranks)", flush=True)
-    del model
-    gc.collect()
     return accuracy
 
 

@@ -8,7 +8,6 @@
 import argparse
 import contextlib
 import copy
-import gc
 import os
 import time
 from datetime import timedelta
@@ -78,8 +77,6 @@ def main():
     print(f"rank {rank}: trained on all its batches; waiting for the others", flush=True)
     dist.barrier()  # e.g. before rank 0 saves a checkpoint
     print(f"rank {rank}: done in {time.monotonic() - start:.1f} s", flush=True)
-    del model
-    gc.collect()
     dist.destroy_process_group()
 
 

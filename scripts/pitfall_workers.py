@@ -77,7 +77,7 @@ def main():
     runs, busy = {}, {}
     for config in configs:
         workers, threads = map(int, config.split(":"))
-        name = f"{workers} workers, {threads} threads per rank"
+        name = f"{workers} worker{'s' * (workers != 1)}, {threads} thread{'s' * (threads != 1)} per rank"
         runs[name] = (lambda w=workers, t=threads: samples_per_s(model, optimizer, sampler, train_set, device,
                                                                   w, t, args))
         busy[name] = world_size * (threads + workers)  # processes and threads that want a core at once

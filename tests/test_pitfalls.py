@@ -77,10 +77,10 @@ def test_workers_comparison_runs_every_configuration_in_one_job(no_leftovers, tm
                                                           "--warmup", 1, "--batch-size", 8],
                     run_dir=tmp_path, timeout=300, **QUIET)
     speeds = comparison(result.metrics)
-    assert list(speeds.measurements) == ["0 workers, 1 threads per rank", "1 workers, 1 threads per rank"]
+    assert list(speeds.measurements) == ["0 workers, 1 thread per rank", "1 worker, 1 thread per rank"]
     assert all(len(m.values) == 2 and min(m.values) > 0 for m in speeds.measurements.values())
-    assert result.metrics["busy"] == {"0 workers, 1 threads per rank": 2, "1 workers, 1 threads per rank": 4}
-    assert speeds.conclusion("1 workers, 1 threads per rank", "0 workers, 1 threads per rank") in \
+    assert result.metrics["busy"] == {"0 workers, 1 thread per rank": 2, "1 worker, 1 thread per rank": 4}
+    assert speeds.conclusion("1 worker, 1 thread per rank", "0 workers, 1 thread per rank") in \
         ("above", "below", "same", "unclear", "noisy")
 
 
