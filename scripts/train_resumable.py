@@ -78,13 +78,13 @@ def rng_state(loader_rng: torch.Generator) -> dict:  # resume step 1: every sour
 
 
 def set_rng_state(state: dict, loader_rng: torch.Generator) -> None:  # resume step 3
-    torch.set_rng_state(state["torch"])
-    loader_rng.set_state(state["loader"])
+    torch.set_rng_state(state["torch"].cpu())  # generator states are CPU tensors; map_location may have moved them
+    loader_rng.set_state(state["loader"].cpu())
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def load_resume_state(path: Path, model: nn.Module, device: torch.device) -> dict:  # resume step 2
