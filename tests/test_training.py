@@ -19,15 +19,6 @@ from course.scriptdiff import script_diff
 QUIET = {"on_line": lambda _: None}
 
 
-@pytest.fixture(scope="session")
-def datasets():
-    """The generated datasets (made once; `make test` has already run `make data`)."""
-    from course.datagen import ensure_datasets
-
-    ensure_datasets(quiet=True)
-    return ROOT / "data"
-
-
 def run(script, nproc, args, run_dir, **kw):
     return launch(script, nproc=nproc, args=args, run_dir=run_dir, timeout=600, **QUIET, **kw)
 
