@@ -1,4 +1,4 @@
-"""Tests for course.data: deterministic generation, splits, error messages and learnability."""
+"""Tests for course.datagen and course.data: deterministic generation, splits, error messages and learnability."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
-from course import data
+from course import data, datagen
 
 torch.set_num_threads(2)
 
@@ -22,14 +22,14 @@ def file_bytes(root):
 @pytest.fixture(scope="module")
 def flowers_600(tmp_path_factory):
     root = tmp_path_factory.mktemp("flowers")
-    data.generate_flowers(root, n_images=600)
+    datagen.generate_flowers(root, n_images=600)
     return root
 
 
 @pytest.fixture(scope="module")
 def mnist_12k(tmp_path_factory):
     root = tmp_path_factory.mktemp("mnist")
-    data.generate_mnist(root, n_train=12000, n_val=2000)
+    datagen.generate_mnist(root, n_train=12000, n_val=2000)
     return root
 
 
@@ -37,10 +37,10 @@ def mnist_12k(tmp_path_factory):
 
 
 def test_class_counts_match_flower_photos_and_scale_proportionally():
-    assert data.flower_class_counts(3670) == data.FLOWER_CLASSES
+    assert datagen.flower_class_counts(3670) == data.FLOWER_CLASSES
     total = sum(data.FLOWER_CLASSES.values())
     for n in (5, 60, 600, 1001):
-        counts = data.flower_class_counts(n)
+        counts = datagen.flower_class_counts(n)
         assert sum(counts.values()) == n
         for name, count in counts.items():
             assert abs(count - n * data.FLOWER_CLASSES[name] / total) < 1
@@ -48,15 +48,15 @@ def test_class_counts_match_flower_photos_and_scale_proportionally():
 
 def test_flowers_are_deterministic_jpegs_in_flower_photos_layout(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    data.generate_flowers(a, n_images=60, seed=0)
-    data.generate_flowers(b, n_images=60, seed=0)
-    data.generate_flowers(c, n_images=60, seed=1)
+    datagen.generate_flowers(a, n_images=60, seed=0)
+    datagen.generate_flowers(b, n_images=60, seed=0)
+    datagen.generate_flowers(c, n_images=60, seed=1)
     assert file_bytes(a) == file_bytes(b)
     assert file_bytes(a).keys() == file_bytes(c).keys()
     assert all(file_bytes(a)[k] != v for k, v in file_bytes(c).items())
     assert (a / data.MARKER).exists()
     assert sorted(p.name for p in a.iterdir() if p.is_dir()) == sorted(data.FLOWER_CLASSES)
-    for name, count in data.flower_class_counts(60).items():
+    for name, count in datagen.flower_class_counts(60).items():
         files = sorted((a / name).glob("*.jpg"))
         assert [f.name for f in files] == [f"{name}_{i:05d}.jpg" for i in range(count)]
         with Image.open(files[0]) as image:
@@ -66,7 +66,7 @@ def test_flowers_are_deterministic_jpegs_in_flower_photos_layout(tmp_path):
 
 def test_mnist_is_deterministic_and_mnist_shaped(tmp_path):
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        data.generate_mnist(tmp_path / name, n_train=300, n_val=100, seed=seed)
+        datagen.generate_mnist(tmp_path / name, n_train=300, n_val=100, seed=seed)
     a, b, c = (np.load(tmp_path / name / "mnist.npz") for name in "abc")
     for key in ("train_images", "train_labels", "val_images", "val_labels"):
         assert np.array_equal(a[key], b[key])
@@ -79,17 +79,17 @@ def test_mnist_is_deterministic_and_mnist_shaped(tmp_path):
 
 
 def test_ensure_datasets_generates_missing_or_partial_only(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(data, "generate_flowers", functools.partial(data.generate_flowers, n_images=10))
-    monkeypatch.setattr(data, "generate_mnist", functools.partial(data.generate_mnist, n_train=50, n_val=10))
+    monkeypatch.setattr(datagen, "generate_flowers", functools.partial(datagen.generate_flowers, n_images=10))
+    monkeypatch.setattr(datagen, "generate_mnist", functools.partial(datagen.generate_mnist, n_train=50, n_val=10))
     (tmp_path / "mnist").mkdir()
     (tmp_path / "mnist" / "leftover.tmp").touch()  # a half-written folder: no marker
-    data.ensure_datasets(tmp_path)
+    datagen.ensure_datasets(tmp_path)
     assert not (tmp_path / "mnist" / "leftover.tmp").exists()
     assert (tmp_path / "flowers" / data.MARKER).exists() and (tmp_path / "mnist" / "mnist.npz").exists()
     assert capsys.readouterr().out.count("generated in") == 2
-    data.main(["--data-dir", str(tmp_path), "--only", "mnist"])
+    datagen.main(["--data-dir", str(tmp_path), "--only", "mnist"])
     assert "already present" in capsys.readouterr().out
-    data.main(["--data-dir", str(tmp_path), "--only", "mnist", "--force"])
+    datagen.main(["--data-dir", str(tmp_path), "--only", "mnist", "--force"])
     assert "generated in" in capsys.readouterr().out
 
 
@@ -136,7 +136,7 @@ def test_unusable_flower_folders_raise_a_clear_error(tmp_path, layout):
 
 
 def test_corrupt_image_fails_naming_the_file(tmp_path):
-    data.generate_flowers(tmp_path, n_images=10)
+    datagen.generate_flowers(tmp_path, n_images=10)
     bad = tmp_path / "roses" / "roses_00000.jpg"
     bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
     train, val, _ = data.build_datasets("flowers", tmp_path)
