@@ -1146,6 +1146,9 @@ COMMON_HINTS = {
                 ("Check each line between backward() and optimizer.step(): the gradient every rank applies must be the "
                  "mean over ranks of their gradients.")],
     "loss-differs": ["The parameters are right but the recorded losses are not: record the loss of the step you took."],
+    "log-unreadable": [("The log file holds broken lines: two processes wrote into it at once. Which ranks open it for "
+                        "writing?"),
+                       "Only one process (rank 0) should open and write the log; the others should not touch it."],
 }
 
 EX1_HINTS = {
