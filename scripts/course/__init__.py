@@ -8,12 +8,17 @@ Used by the training scripts (import only what a training process needs):
 - ``course.checkpoint``  atomic save, safe load, writable check
 - ``course.measure``     steady-state step timing (scripts) and interleaved comparisons (notebooks)
 - ``course.args``        argparse validators; ``course.errors``  one clear error, printed once
+- ``course.commhooks``   a DDP communication hook that counts all-reduces and bytes (notebook 05)
+- ``course.sharding``    memory of sharded training, predicted and counted (notebook 08)
+- ``course.exercise_tasks`` data, models and a step recorder for notebook 09's exercise scripts
 Used by notebooks and tests:
 - ``course.datagen``     generate the offline datasets (``make data``)
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
 - ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
 - ``course.scriptdiff``  the diff between two scripts, checked for step markers
-- ``course.run_notebooks`` / ``course.lab``  ``make course`` / ``make lab``
+- ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
+- ``course.exercises``   notebook 09's checker (``course.exercise_runner`` runs a learner's script under it)
+- ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 """
 
 import os
