@@ -19,9 +19,9 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from course.args import positive_float, positive_int, repo_path
+from course.errors import record
 from course.hardware import backend_for, pick_device
 from course.runlog import RunLog
 

@@ -15,12 +15,11 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.args import positive_int, repo_path
 from course.data import build_datasets
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.models import build_model
 from course.runlog import RunLog

@@ -21,14 +21,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
 
 from course.args import repo_path
 from course.checkpoint import check_writable, save_checkpoint
 from course.data import build_datasets
-from course.errors import CourseError, reported_once
+from course.errors import CourseError, record, reported_once
 from course.hardware import backend_for, pick_device
 from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog

@@ -10,9 +10,9 @@ import statistics
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from course.args import nonnegative_int, positive_int, repo_path
+from course.errors import record
 from course.hardware import backend_for, pick_device
 from course.measure import compare, time_call
 from course.runlog import RunLog

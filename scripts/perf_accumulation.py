@@ -22,13 +22,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
 from course.args import nonnegative_int, positive_int, repo_path
 from course.commhooks import CommCounter
 from course.data import build_datasets
+from course.errors import record
 from course.hardware import backend_for, pick_device
 from course.measure import compare
 from course.models import mlp

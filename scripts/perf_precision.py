@@ -18,14 +18,13 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import default_collate
 
 from course.args import positive_float, positive_int, repo_path
 from course.commhooks import CommCounter
 from course.data import build_datasets
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.models import mlp
 from course.runlog import RunLog

@@ -26,12 +26,12 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from course.args import positive_int, repo_path
 from course.commhooks import CommCounter
+from course.errors import record
 from course.hardware import backend_for, pick_device
 from course.measure import compare
 from course.models import build_model

@@ -10,9 +10,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from course.errors import record
 from course.hardware import backend_for, pick_device
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.tensorboard import SummaryWriter
 
 from course.args import positive_int, repo_path
 from course.checkpoint import load_checkpoint, save_checkpoint
+from course.errors import record
 from course.hardware import backend_for, pick_device
 from course.models import mlp
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from course.args import positive_float
+from course.errors import record
 from course.hardware import backend_for, pick_device
 
 

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from course.args import positive_float, positive_int
+from course.errors import record
 from course.hardware import backend_for, pick_device
 
 

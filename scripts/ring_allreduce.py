@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from course.args import positive_int, repo_path
+from course.errors import record
 from course.hardware import backend_for, pick_device
 
 NAME = Path(__file__).stem

@@ -19,13 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from course.args import nonnegative_int, positive_int, repo_path
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.measure import compare, time_call
 from course.models import build_model

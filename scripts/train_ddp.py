@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
@@ -20,7 +19,7 @@ from tqdm import tqdm
 from course.args import nonnegative_int, positive_float, positive_int, repo_path
 from course.checkpoint import check_writable, save_checkpoint
 from course.data import build_datasets
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model

@@ -18,7 +18,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from course.args import nonnegative_int, positive_float, positive_int, repo_path
 from course.checkpoint import check_writable
 from course.data import build_datasets
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model

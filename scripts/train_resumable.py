@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from course.args import nonnegative_int, positive_float, positive_int, repo_path
 from course.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from course.data import build_datasets
-from course.errors import CourseError, reported_once
+from course.errors import CourseError, record, reported_once
 from course.hardware import backend_for, pick_device
 from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model

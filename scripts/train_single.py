@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm import tqdm
 
 from course.args import nonnegative_int, positive_float, positive_int, repo_path
 from course.checkpoint import check_writable, save_checkpoint
 from course.data import build_datasets
-from course.errors import reported_once
+from course.errors import record, reported_once
 from course.hardware import pick_device
 from course.measure import StepTimer
 from course.models import DEFAULT_MODEL, build_model

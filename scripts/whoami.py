@@ -17,9 +17,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from course.args import nonnegative_int, positive_float
+from course.errors import record
 from course.hardware import backend_for, pick_device
 
 SHOWN = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")

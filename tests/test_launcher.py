@@ -2,8 +2,10 @@
 interrupts leave no process behind, the plan follows the hardware."""
 
 import json
+import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -277,3 +279,52 @@ def test_killing_the_caller_ends_the_whole_job(how, wait_until):
                 proc.kill()
             except psutil.Error:
                 pass
+
+
+KILLED_WHILE_WRITING = """
+import json, os, signal, sys
+import torch.distributed.elastic.multiprocessing.errors.error_handler as eh
+from {module} import record
+
+def dump_then_die(data, fp, **kw):  # torchrun's SIGTERM arriving in the middle of the write
+    fp.write("{{")
+    fp.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+eh.json.dump = dump_then_die
+
+@record
+def main():
+    raise RuntimeError("peer gone")
+
+main()
+"""
+
+
+@pytest.mark.parametrize("module, leaves_partial_file", [("torch.distributed.elastic.multiprocessing.errors", True),
+                                                         ("course.errors", False)])
+def test_a_rank_killed_while_writing_its_error_file_leaves_none(tmp_path, module, leaves_partial_file):
+    """torch's @record writes the error file in place: killed mid-write, it leaves a file torchrun cannot
+    parse (torchrun then dies with a JSONDecodeError instead of restarting). course.errors.record leaves none."""
+    error_file = tmp_path / "error.json"
+    script = tmp_path / "rank.py"
+    script.write_text(KILLED_WHILE_WRITING.format(module=module))
+    done = subprocess.run([sys.executable, str(script)], check=False, env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert done.returncode == -signal.SIGKILL
+    assert error_file.exists() == leaves_partial_file
+    if leaves_partial_file:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(error_file.read_text())
+
+
+def test_course_record_writes_torchruns_error_file(tmp_path):
+    """What torchrun reads back: the same JSON torch's @record writes."""
+    error_file = tmp_path / "error.json"
+    script = tmp_path / "rank.py"
+    script.write_text("from course.errors import record\n@record\ndef main():\n    raise RuntimeError('peer gone')\nmain()\n")
+    done = subprocess.run([sys.executable, str(script)], check=False, env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)},
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "peer gone" in done.stderr
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"] == "RuntimeError: peer gone" and "py_callstack" in message["extraInfo"]
+    assert not list(tmp_path.glob("*.partial"))

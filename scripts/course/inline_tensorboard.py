@@ -21,7 +21,6 @@ import psutil
 from tensorboard import manager, notebook
 
 from course import ROOT
-from course.launcher import free_port
 
 MODULE = "course.inline_tensorboard"
 
@@ -43,19 +42,21 @@ def running(logdir=None) -> list:
     return [i for i in manager.get_all() if _ours(i) and (logdir is None or i.logdir == _abs(logdir))]
 
 
-def start(logdir, timeout: float = 60) -> "manager.TensorBoardInfo":
-    """A TensorBoard serving ``logdir`` on a free port of 127.0.0.1: the live one if there is one."""
+def start(logdir, timeout: float = 120) -> "manager.TensorBoardInfo":
+    """A TensorBoard serving ``logdir`` on a free port of 127.0.0.1: the live one if there is one.
+
+    ``--port 0`` lets the kernel pick the port when TensorBoard binds it (its info file records the real one):
+    a port chosen beforehand could be taken by another process in between."""
     logdir = _abs(logdir)
     Path(logdir).mkdir(parents=True, exist_ok=True)
     live = running(logdir)
     if live:
         return live[0]
-    port = free_port()
     log = Path(logdir) / ".tensorboard.log"
     with open(log, "w") as log_file:  # the child keeps its own copy of the file descriptor
         proc = subprocess.Popen(
             [sys.executable, "-m", MODULE, "--parent", str(os.getpid()),
-             "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "5"],
+             "--logdir", logdir, "--host", "127.0.0.1", "--port", "0", "--reload_interval", "5"],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -66,7 +67,10 @@ def start(logdir, timeout: float = 60) -> "manager.TensorBoardInfo":
             break
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"TensorBoard did not start; see {log}")
+    proc.wait()
+    why = "exited" if proc.returncode not in (-signal.SIGKILL, None) else f"did not answer within {timeout:.0f} s"
+    last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-3:]
+    raise RuntimeError(f"TensorBoard {why}; last lines of {log}:\n" + "\n".join(last))
 
 
 def show(logdir, height: int = 520):
