@@ -147,7 +147,7 @@ def time_to_accuracy(history: list[dict], target: float) -> float | None:
     ``target``; None if no epoch did. ``history``: metrics.json's per-epoch list."""
     for epoch in history:
         if epoch["val_accuracy"] >= target:
-            return epoch["train_time_s"]
+            return epoch["elapsed_s"]
     return None
 
 
