@@ -292,7 +292,7 @@ def main():
         if log.writer and last:
             log.writer.add_figure("val/confusion_matrix", confusion_figure(confusion.cpu(), classes), step)
             if wrong:
-                log.writer.add_figure("val/misclassified (rank 0's share)", misclassified_figure(wrong, classes), step)
+                log.writer.add_figure("val/misclassified_rank0", misclassified_figure(wrong, classes), step)
         if rank == 0:  # one writer; checkpoints hold the unwrapped model (no "module." prefix), atomically saved
             print(f"epoch {epoch}: step {step}, lr {lr:.3g}, train loss {history[-1]['train_loss']:.3f}, "
                   f"val accuracy {accuracy:.3f} ({correct}/{total}), {elapsed:.0f} s", flush=True)

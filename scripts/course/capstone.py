@@ -10,9 +10,7 @@ figures and image grids for TensorBoard, reading them back from event files, and
 from __future__ import annotations
 
 import io
-import json
 import pickle
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -137,11 +135,6 @@ def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:
     return found
 
 
-def metrics(run_dir) -> dict:
-    """A run's metrics.json as a dict."""
-    return json.loads((in_repo(run_dir) / "metrics.json").read_text())
-
-
 def time_to_accuracy(history: list[dict], target: float) -> float | None:
     """Seconds of training (evaluation excluded) until the first epoch whose validation accuracy reached
     ``target``; None if no epoch did. ``history``: metrics.json's per-epoch list."""
@@ -176,15 +169,3 @@ def format_table(rows: list[dict], target: float) -> str:
                      f"{r['accumulation']:>5} {fmt(r['samples_per_s'], '.0f'):>9} "
                      f"{fmt(r['time_to_target_s'], '.1f'):>9} {r['final_accuracy']:>9.3f} {r['best_accuracy']:>8.3f}")
     return "\n".join(lines)
-
-
-def save_image_files(images: torch.Tensor, folder: str | Path, names: list[str]) -> list[Path]:
-    """Write [N,3,H,W] images in [0,1] as PNG files (e.g. a few validation images for predict.py)."""
-    folder = in_repo(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for image, name in zip(images, names):
-        array = (image.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
-        paths.append(folder / name)
-        Image.fromarray(array).save(paths[-1])
-    return paths
