@@ -12,12 +12,11 @@ import argparse
 from pathlib import Path
 
 import torch
-from torchvision import transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from course.args import positive_int, repo_path
 from course.capstone import RESNETS, load_weights, read_checkpoint, resnet
-from course.data import IMAGENET_MEAN, IMAGENET_STD, load_image
+from course.data import flower_transforms, load_image
 from course.errors import CourseError, reported_once
 from course.hardware import pick_device
 
@@ -59,10 +58,8 @@ def main():
         model = resnet(config["model"], len(classes)).to(device)
         load_weights(args.checkpoint, model, device, state=state)
         files = image_files(args.paths)
-        # The validation transform of course.data: what the model saw when it was evaluated.
         size = config["image_size"]
-        transform = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
-                                        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        _, transform = flower_transforms(size)  # the validation transform: what the model was evaluated on
         images = [transform(load_image(str(path))) for path in files]  # an unreadable file: one line naming it
     model.eval()
     print(f"{args.checkpoint.name}: {config['model']}, {size} px, classes {', '.join(classes)}; on {device}")

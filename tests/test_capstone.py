@@ -119,6 +119,9 @@ def test_train_resume_summaries_and_predict(datasets, tmp_path):
     assert "epoch 0:" not in second.output and "[rank0]:epoch 2: step 15" in second.output
     assert (second.metrics["steps"], second.metrics["epochs_done"]) == (15, 3)
     assert [h["epoch"] for h in second.metrics["history"]] == [0, 1, 2]
+    resumed_scalars = read_scalars(run_dir)[run_dir.name]  # the finished run's curve continues, nothing lost
+    assert [s for s, _ in resumed_scalars["val/accuracy"]] == [5, 10, 15]
+    assert dict(resumed_scalars["train/lr"])[1] == lrs[1]
 
     # predict.py on the validation images of a class folder: one line per image, a known class, a probability
     out = predict(data / "roses", "--checkpoint", ckpt / "best.pt", "--top", 2)

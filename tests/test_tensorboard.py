@@ -30,6 +30,16 @@ def test_scalars_are_read_back_with_tensorboards_reader(logdir):
     assert [round(v, 4) for _, v in data["run_a"]["train/loss"]] == [1.0, 0.5, 0.3333, 0.25, 0.2]
 
 
+def test_resuming_a_finished_run_keeps_its_curve(logdir):
+    """A run that finished at step 4 and is resumed from its step-2 checkpoint: steps 0-2 stay, 3-6 are new."""
+    log = RunLog(logdir / "run_a", world_size=1, resume_step=2)
+    for step in range(3, 7):
+        log.scalar("train/loss", 10.0 + step, step)
+    log.finish()
+    assert [(s, round(v, 2)) for s, v in read_scalars(logdir)["run_a"]["train/loss"]] == \
+        [(0, 1.0), (1, 0.5), (2, 0.33), (3, 13.0), (4, 14.0), (5, 15.0), (6, 16.0)]
+
+
 def test_plot_scalars_draws_every_tag(logdir, monkeypatch):
     import matplotlib
 

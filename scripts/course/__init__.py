@@ -11,6 +11,7 @@ Used by the training scripts (import only what a training process needs):
 - ``course.commhooks``   a DDP communication hook that counts all-reduces and bytes (notebook 05)
 - ``course.sharding``    memory of sharded training, predicted and counted (notebook 08)
 - ``course.exercise_tasks`` data, models and a step recorder for notebook 09's exercise scripts
+- ``course.capstone``    the capstone's ResNets, weight loading, image check and figures (notebook 07)
 Used by notebooks and tests:
 - ``course.datagen``     generate the offline datasets (``make data``)
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
@@ -19,6 +20,7 @@ Used by notebooks and tests:
 - ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
 - ``course.exercises``   notebook 09's checker (``course.exercise_runner`` runs a learner's script under it)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
+- ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
 """
 
 import os

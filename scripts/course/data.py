@@ -71,6 +71,16 @@ def _resolve_dir(name: str, data_dir) -> tuple[Path, bool]:
     return Path(data_dir).expanduser(), False
 
 
+def flower_transforms(image_size: int):
+    """(train, validation) transforms: random crops and flips for training only; a fixed centre crop to evaluate
+    (and to predict: the model then sees what it was evaluated on)."""
+    normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(image_size, scale=(0.5, 1.0)),
+                                   transforms.RandomHorizontalFlip(), *normalize])
+    val_tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size), *normalize])
+    return train_tf, val_tf
+
+
 def _flowers(root: Path, image_size: int):
     hint = "run `make data`, or point --data-dir (COURSE_FLOWERS_DIR) at a flower_photos-style folder"
     if not root.is_dir():
@@ -83,11 +93,7 @@ def _flowers(root: Path, image_size: int):
     if len(folder.classes) < 2:  # one class trains to loss 0 / accuracy 1.0 and means nothing
         raise DatasetError(f"flowers folder {root} has {len(folder.classes)} class folder(s) "
                            f"({', '.join(folder.classes)}); a classifier needs at least two; {hint}.")
-    normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    train_tf = transforms.Compose([transforms.RandomResizedCrop(image_size, scale=(0.5, 1.0)),
-                                   transforms.RandomHorizontalFlip(), *normalize])
-    val_tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                                 *normalize])
+    train_tf, val_tf = flower_transforms(image_size)
     train_idx, val_idx = split_indices(len(folder))
     return _View(folder, train_idx, train_tf), _View(folder, val_idx, val_tf), len(folder.classes)
 

@@ -9,7 +9,7 @@ them live there) and the previous run's events and metrics.json stay where they 
 replaces them, so a run that crashes, is stopped or is given bad values leaves the last good results.
 
 A run resumed from a checkpoint taken at step N passes ``resume_step=N``: the crashed run's events in
-``in_progress/`` are kept, and TensorBoard hides the ones it logged after step N (``purge_step``), so the
+``in_progress/`` are kept (or, if that run had finished, its events are copied there), and TensorBoard hides the ones it logged after step N (``purge_step``), so the
 curve continues without a gap or a repeated stretch. ``flush()`` when a checkpoint is written.
 """
 
@@ -44,6 +44,10 @@ class RunLog:
             staging = self.run_dir / STAGING
             if resume_step is None:
                 shutil.rmtree(staging, ignore_errors=True)  # a crashed run's partial events, never results
+            elif not any(staging.glob("events.out.tfevents.*")):  # resuming a run that had finished: its events
+                staging.mkdir(exist_ok=True)                      # continue too (finish() replaces the old ones)
+                for done in self.run_dir.glob("events.out.tfevents.*"):
+                    shutil.copy2(done, staging / done.name)
             from torch.utils.tensorboard import SummaryWriter  # only the process that writes pays for it
 
             # purge_step: TensorBoard drops this run's earlier events at steps >= it (logged after the checkpoint)
