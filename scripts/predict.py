@@ -15,7 +15,8 @@ import torch
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from course.args import positive_int, repo_path
-from course.capstone import RESNETS, load_weights, read_checkpoint, resnet
+from course.capstone import RESNETS, load_weights, resnet
+from course.checkpoint import read_checkpoint
 from course.data import flower_transforms, load_image
 from course.errors import CourseError, reported_once
 from course.hardware import pick_device

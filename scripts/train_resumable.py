@@ -8,7 +8,6 @@ Every change from train_ddp.py is marked "resume step N" (notebook 06).
 """
 import argparse
 import os
-import pickle
 import random
 from itertools import islice
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 
 from course.args import nonnegative_int, positive_float, positive_int, repo_path
-from course.checkpoint import check_writable, load_checkpoint, save_checkpoint
+from course.checkpoint import check_writable, read_checkpoint, save_checkpoint
 from course.data import build_datasets
 from course.errors import CourseError, record, reported_once
 from course.hardware import backend_for, pick_device
@@ -89,17 +88,7 @@ def set_rng_state(state: dict, loader_rng: torch.Generator) -> None:  # resume s
 def load_resume_state(path: Path, model: nn.Module, device: torch.device) -> dict:  # resume step 2
     """The checkpoint at ``path`` loaded into ``model`` (on this rank's own device); CourseError naming the
     file when it is corrupt, unsafe or made for another model. Nothing is written."""
-    try:
-        state = load_checkpoint(path, device)  # weights_only=True: tensors and plain data, never code
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError) as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        code = [line for line in lines if "GLOBAL" in line]  # the function the file wants called
-        if code:
-            raise CourseError(f"checkpoint {path} asks to run code or build objects, which weights_only=True "
-                              f"refuses ({code[0].split('. ')[0]}); load it without weights_only only if you trust it"
-                              ) from None
-        detail = next((line for line in lines if "Unsupported" in line), lines[0]).split(". ")[0]
-        raise CourseError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail})") from None
+    state = read_checkpoint(path, device)  # weights_only=True: tensors and plain data, never code
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or "sampler_skip" not in state:
         raise CourseError(f"checkpoint {path} is not a {NAME}.py checkpoint (no model/sampler_skip entries)")
     mine, saved = model.state_dict(), state["model"]

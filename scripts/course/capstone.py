@@ -10,7 +10,6 @@ figures and image grids for TensorBoard, reading them back from event files, and
 from __future__ import annotations
 
 import io
-import pickle
 
 import numpy as np
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 from torchvision import models
 
 from course import in_repo
-from course.checkpoint import load_checkpoint
+from course.checkpoint import read_checkpoint
 from course.data import IMAGENET_MEAN, IMAGENET_STD, DatasetError
 from course.errors import CourseError
 
@@ -31,17 +30,6 @@ def resnet(name: str, num_classes: int) -> nn.Module:
     model = RESNETS[name](num_classes=num_classes)
     model.course_name = name  # for error messages: "does not fit a resnet18"
     return model
-
-
-def read_checkpoint(path, device="cpu"):
-    """torch.load with weights_only=True onto ``device`` (course.checkpoint.load_checkpoint); a file that is
-    missing, corrupt or holds pickled code raises CourseError naming it: one line, not a traceback."""
-    try:
-        return load_checkpoint(path, device)  # weights_only=True: tensors and plain data, never code
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError) as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0])
-        raise CourseError(f"cannot load {path}: {type(error).__name__}: {detail.split('. ')[0]}") from None
 
 
 def load_weights(path, model: nn.Module, device="cpu", skip: tuple[str, ...] = (), state=None) -> dict:
@@ -136,8 +124,8 @@ def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:
 
 
 def time_to_accuracy(history: list[dict], target: float) -> float | None:
-    """Seconds of training (evaluation excluded) until the first epoch whose validation accuracy reached
-    ``target``; None if no epoch did. ``history``: metrics.json's per-epoch list."""
+    """Seconds of training and evaluation (start-up excluded) until the end of the first epoch whose validation
+    accuracy reached ``target``; None if no epoch did. ``history``: metrics.json's per-epoch list."""
     for epoch in history:
         if epoch["val_accuracy"] >= target:
             return epoch["elapsed_s"]

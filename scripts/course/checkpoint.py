@@ -1,6 +1,7 @@
 """Checkpoints that survive a crash mid-write and load onto whatever device this process has."""
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 
@@ -47,3 +48,19 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
     """weights_only=True refuses pickled code; map_location puts tensors on *this* process's device
     (without it, tensors saved from cuda:0 all land on cuda:0 in every rank)."""
     return torch.load(in_repo(path), map_location=device, weights_only=True)
+
+
+def read_checkpoint(path: str | Path, device: torch.device | str = "cpu"):
+    """load_checkpoint, for files a learner names: one that is corrupt, truncated or asks to run code raises
+    CourseError naming it (one line, not a traceback). Whether it fits the model is the caller's check."""
+    try:
+        return load_checkpoint(path, device)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        code = [line for line in lines if "GLOBAL" in line]  # the function the file wants called
+        if code:
+            raise CourseError(f"checkpoint {path} asks to run code or build objects, which weights_only=True "
+                              f"refuses ({code[0].split('. ')[0]}); load it without weights_only only if you trust it"
+                              ) from None
+        detail = next((line for line in lines if "Unsupported" in line), lines[0]).split(". ")[0]
+        raise CourseError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail})") from None
