@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -328,3 +329,45 @@ def test_course_record_writes_torchruns_error_file(tmp_path):
     message = json.loads(error_file.read_text())["message"]
     assert message["message"] == "RuntimeError: peer gone" and "py_callstack" in message["extraInfo"]
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_stopped_job_keeps_what_its_processes_wrote_as_they_ended():
+    """torchrun copies its ranks' log files to its stdout when it is told to stop; those lines explain
+    the end of the job, so the launcher reads the pipes to the end after ending the processes."""
+    from course.launcher import run_commands
+
+    script = ("import signal, sys, time\n"
+              "def bye(*_):\n"
+              "    time.sleep(0.5)  # the launcher has long stopped reading by now\n"
+              "    print('last words', flush=True)\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye)\n"
+              "print('started', flush=True)\n"
+              "time.sleep(60)\n")
+    stop = threading.Event()
+    shown = []
+
+    def on_line(line):
+        shown.append(line)
+        if "started" in line:
+            stop.set()
+
+    with pytest.raises(LaunchError, match="stopped") as stopped:
+        run_commands([("job", [sys.executable, "-c", script], {})], timeout=30, stop=stop, on_line=on_line)
+    assert "[job] last words\n" in stopped.value.output
+    assert shown[-2:] == ["[job] last words\n", "[launcher] stopped: ended 1 process(es)\n"]
+
+
+def test_lines_torchrun_glued_to_an_unfinished_progress_bar_are_cut_apart():
+    """Seen in CI: rank 0's tqdm bar (stderr, no newline yet) with its next stdout line, or torchrun's log,
+    on one line -- which hid the line from a regex anchored at the tag, and from the failure report."""
+    from course.launcher import unglue
+
+    bar = "[rank0]:epoch 0:  30%|███       | 1122/3750 [00:03<00:07, 373.48it/s]"
+    assert unglue(f"{bar}[rank0]:rank 0 (local rank 0) on cpu, attempt 0\n") == \
+        [f"{bar}\n", "[rank0]:rank 0 (local rank 0) on cpu, attempt 0\n"]
+    log = "W1130 07:23:20.212000 30471 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 30494"
+    assert unglue(f"{bar}{log}\n") == [f"{bar}\n", f"{log}\n"]
+    for whole in ("[rank1]:[rank1]: Traceback (most recent call last):\n", "[rank0]:a list [rank1]: as text\n",
+                  "[rank0]:\n"):
+        assert unglue(whole) == [whole]

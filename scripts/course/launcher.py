@@ -229,6 +229,23 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
     start = time.monotonic()
     reason = None
     watchdog = None
+    open_streams = 0  # output pumps still running
+
+    def take(wait: float) -> None:
+        """Show and keep the next line, if one comes within ``wait`` s; count the streams that close."""
+        nonlocal open_streams
+        try:
+            item = lines.get(timeout=wait)
+        except queue.Empty:
+            return
+        if item is None:
+            open_streams -= 1
+            return
+        line, shown = item
+        captured.append(line)
+        if shown:
+            emit(line)
+
     try:
         for label, argv, extra_env in jobs:
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
@@ -240,20 +257,10 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
             procs.append(proc)
             prefix = f"[{label}] " if label else ""
             threading.Thread(target=_pump, args=(proc, prefix, lines), daemon=True).start()
+            open_streams += 1
         watchdog = start_watchdog([p.pid for p in procs], remove=_remove)
-        open_streams = len(procs)
         while open_streams:
-            try:
-                item = lines.get(timeout=0.1)
-            except queue.Empty:
-                item = ""
-            if item is None:
-                open_streams -= 1
-            elif item:
-                line, shown = item
-                captured.append(line)
-                if shown:
-                    emit(line)
+            take(0.1)
             if time.monotonic() - start > timeout:
                 reason = f"timed out after {timeout:.0f} s"
                 break
@@ -269,6 +276,11 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
     finally:
         if reason is not None:
             ended = sum(kill_tree(p.pid) for p in procs)
+            # What the processes wrote before they ended may still be in the pipes (torchrun copies its
+            # ranks' log files to its stdout as it stops): keep it, it can say why the job was stopped.
+            deadline = time.monotonic() + 5
+            while open_streams and time.monotonic() < deadline:
+                take(0.1)
             emit(f"[launcher] {reason}: ended {ended} process(es)\n")
         if watchdog is not None:
             watchdog.kill()  # the job is over (or ended above): nothing left to watch
@@ -283,10 +295,22 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
                      failure=describe_failure(output, code) if code else None)
 
 
+# torchrun copies each rank's output to its own, a tag per line; a line a rank has not finished (a tqdm
+# bar, redrawn after "\r" with no newline) is copied as it is, so the next line (another rank's, or
+# torchrun's own log) lands after it. Such a line is cut where the next one starts: before a rank tag
+# (not one that follows a tag: torch's errors are "[rank1]:[rank1]: ...") or a torchrun log header.
+GLUED = re.compile(r"(?<=\S)(?<!\]:)(?=\[rank\d+\]:)|(?<=\S)(?=[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ )")
+
+
+def unglue(line: str) -> list[str]:
+    """``line`` cut into the lines torchrun glued together, each ending in a newline."""
+    return [part if part.endswith("\n") else part + "\n" for part in GLUED.split(line) if part]
+
+
 def _pump(proc: subprocess.Popen, prefix: str, lines: queue.Queue) -> None:
     report = _TorchrunReport()
     for line in proc.stdout:
-        for text, shown in report.feed(line):
+        for text, shown in (item for part in unglue(line) for item in report.feed(part)):
             lines.put((prefix + text, shown))
     for text, shown in report.flush():
         lines.put((prefix + text, shown))

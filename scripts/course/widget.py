@@ -27,8 +27,8 @@ import ipywidgets as widgets
 from course import ROOT, SCRIPTS
 from course.launcher import LaunchError, launch, plan, resolve_script
 
-# torchrun tags every line "[rankN]:". Its per-rank output tails can glue two ranks' text into one
-# line, and tqdm's "\r" updates arrive as fragments, so lines are re-split at every tag.
+# torchrun tags every line "[rankN]:" (the launcher has already cut apart lines torchrun glued together);
+# torch's own errors add a second tag ("[rank1]:[rank1]: ..."), and a chunk may hold "\r" redraws.
 TAG = re.compile(r"\[(rank\d+)\]:")
 # tqdm's default format: "epoch 1:  40%|████      | 20/50 [00:03<00:05, 6.1it/s]"
 PROGRESS = re.compile(r"^\s*(?:(?P<desc>[^|]*?):\s*)?(?:\d+%\|[^|]*\|\s*)?(?P<n>\d+)/(?P<total>\d+)\s*\[")
