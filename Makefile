@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 QUICK  ?= 0
 export COURSE_QUICK := $(QUICK)
 
-.PHONY: setup data course test lab gpu-check clean
+.PHONY: setup data course test bench lab gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ course: data
 
 test: data
 	$(PY) -m pytest
+
+# Speed goals are measured here, not in timed tests: rounds and verdict in runs/benchmarks/*/metrics.json.
+bench: data
+	$(PY) -m course.bench_launcher
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -115,22 +116,17 @@ def test_missing_script_is_reported():
         launch("no_such_script.py", nproc=1)
 
 
-def test_overhead_over_bare_torchrun_is_small():
-    """The launcher adds a reader thread and a poll loop; it must not add seconds to a run."""
-    import subprocess
+def test_the_launcher_overhead_benchmark_writes_its_rounds_and_verdict(tmp_path, capsys):
+    """The speed goal (the launcher adds no seconds) is measured by a benchmark, not asserted here."""
+    from course.bench_launcher import main as bench
 
-    from course.launcher import torchrun_command
-
-    cmd = torchrun_command(FIXTURE, 2)
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": str(plan(2).threads_per_rank)}
-    bare, ours = [], []
-    for _ in range(2):  # interleaved, so that machine noise hits both alike
-        start = time.monotonic()
-        subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, check=True, timeout=120)
-        bare.append(time.monotonic() - start)
-        ours.append(launch(FIXTURE, nproc=2, timeout=120, on_line=lambda _: None).wall_time)
-    print(f"bare torchrun {min(bare):.2f} s, launcher {min(ours):.2f} s", file=sys.stderr)
-    assert min(ours) < min(bare) * 1.25 + 0.5  # generous: 2 shared vCPUs vary +-30 % run to run
+    metrics = bench(["--repeats", "2", "--warmup", "0", "--run-dir", str(tmp_path)])
+    assert metrics == json.loads((tmp_path / "metrics.json").read_text())
+    values = metrics["values"]
+    assert len(values["bare torchrun"]) == len(values["course launcher"]) == 2
+    ratios = [ours / bare for ours, bare in zip(values["course launcher"], values["bare torchrun"])]
+    assert metrics["verdict"].startswith(f"course launcher: {statistics.median(ratios):.2f}x")
+    assert metrics["verdict"] in capsys.readouterr().out
 
 
 def test_one_torchrun_command_builder():

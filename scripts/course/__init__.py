@@ -21,6 +21,7 @@ Used by notebooks and tests:
 - ``course.exercises``   notebook 09's checker (``course.exercise_runner`` runs a learner's script under it)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
+- ``course.bench_launcher``  benchmark: the launcher's wall time against bare torchrun (``make bench``)
 """
 
 import os
