@@ -59,7 +59,7 @@ def test_committed_stub_is_not_solved_yet(key, run_check):
     assert (result.status, result.diagnosis) == ("not solved", "gaps")
     assert "still marked `...  # TODO`" in result.symptom and "line" in result.symptom
     assert "Replace each `...`" in result.hint
-    assert result.seconds < 2, "a stub must be reported without running anything"
+    assert result.seconds < 5, "a stub must be reported without running anything (a launch takes longer)"
 
 
 def test_syntax_error_is_reported_with_its_line(run_check):

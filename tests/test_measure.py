@@ -95,7 +95,7 @@ def test_step_timer_excludes_warmup_and_evaluation():
         timer.tick(10)
     summary = timer.summary(world_size=2)
     assert summary["timed_steps"] == 5 and summary["warmup_steps"] == 2
-    assert 0.015 < summary["step_time_median_s"] < 0.1
+    assert 0.015 < summary["step_time_median_s"] < 0.25  # a step with the 0.3 s warm-up or evaluation in it: >= 0.3
     assert summary["samples_per_s"] == pytest.approx(2 * 50 / sum(timer.durations))
     assert StepTimer(warmup_steps=5).summary()["samples_per_s"] is None  # nothing timed: say so, not 0 or nan
 
