@@ -1,5 +1,6 @@
 """Notebooks: committed clean, the source of scripts/*.py, and executed headless (quick mode) without error."""
 
+import re
 
 import nbformat
 import pytest
@@ -32,6 +33,15 @@ def test_committed_notebook_has_no_outputs(path):
     for cell in nbformat.read(path, as_version=4).cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name} carries outputs"
+
+
+def test_every_glossary_link_has_its_entry():
+    glossary = (ROOT / "notebooks" / "glossary.md").read_text()
+    entries = set(re.findall(r'<a id="([^"]+)"></a>', glossary))
+    links = {(p.name, slug) for p in [*NOTEBOOKS, ROOT / "README.md"]
+             for slug in re.findall(r"glossary\.md#([\w-]+)", p.read_text())}
+    links |= {("glossary.md", slug) for slug in re.findall(r"\]\(#([\w-]+)\)", glossary)}
+    assert len(entries) > 60 and not {(name, slug) for name, slug in links if slug not in entries | {"slug"}}
 
 
 def test_committed_scripts_equal_what_the_notebooks_write():
