@@ -10,6 +10,8 @@ Used by the training scripts (import only what a training process needs):
 - ``course.args``        argparse validators; ``course.errors``  one clear error, printed once
 - ``course.commhooks``   a DDP communication hook that counts all-reduces and bytes (notebook 05)
 - ``course.sharding``    memory of sharded training, predicted and counted (notebook 08)
+- ``course.notebook``    ``in_notebook()``: the one rule for "am I running in a Jupyter kernel?"
+- ``course.quiz``        "Check yourself" questions that start unanswered (keys in ``course/answer_key/``)
 - ``course.exercise_tasks`` data, models and a step recorder for notebook 09's exercise scripts
 - ``course.capstone``    the capstone's ResNets, weight loading, image check and figures (notebook 07)
 Used by notebooks and tests:
@@ -52,5 +54,10 @@ def import_script(name: str):
     return importlib.import_module(name)
 
 
+def flag(name: str) -> bool:
+    """An on/off environment switch (the one reader of them): unset, empty, 0 or false mean off."""
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 # One documented switch: COURSE_QUICK=1 shrinks every run so the whole course fits in minutes on a laptop CPU.
-QUICK = os.environ.get("COURSE_QUICK", "0") not in ("", "0", "false", "False")
+QUICK = flag("COURSE_QUICK")
