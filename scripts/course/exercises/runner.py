@@ -1,12 +1,13 @@
-"""Run an exercise script under the checker's eyes (used by ``course.exercises``, not by learners).
+"""The recorder: runs an exercise script under the checker's eyes (started by ``course.exercises``, not by learners).
 
-    torchrun --nproc-per-node=2 scripts/course/exercise_runner.py SCRIPT [ARGS...]
+    torchrun --nproc-per-node=2 scripts/course/exercises/runner.py SCRIPT [ARGS...]
 
 Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
 records, per rank, facts that the script cannot fake or forget to report:
 - which files it wrote (an audit hook sees every ``open`` for writing and every rename): exactly one
   rank should write a log or a checkpoint;
-- every ``torch.distributed`` collective it called, with the time and whether it was asynchronous;
+- every ``torch.distributed`` collective it called, with the time, whether it was asynchronous and, if it
+  was, when its handle was first waited on (``wait()`` or ``get_future()``);
 - when each ``backward()`` started and ended, and when each optimizer step ran (to count collectives
   per step and to see whether communication overlapped the backward pass);
 - the indices each ``DistributedSampler`` yielded, with its epoch;
@@ -15,6 +16,7 @@ The record goes to ``$COURSE_EXERCISE_OUT/runner_rank<RANK>.json`` when the scri
 """
 
 import atexit
+import inspect
 import json
 import os
 import runpy
@@ -62,6 +64,29 @@ def _save_record():
         pass
 
 
+class _Handle:
+    """An asynchronous collective's handle (torch's Work), noting when it is first waited on."""
+
+    def __init__(self, work, entry):
+        self._work, self._entry = work, entry
+
+    def _waited(self):
+        if self._entry["waited"] is None:
+            self._entry["waited"] = now()
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._waited()
+        return result
+
+    def get_future(self):
+        self._waited()  # a future's wait() is the learner's; counted as waited when it is asked for
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _instrument():
     import torch
     import torch.distributed as dist
@@ -69,9 +94,21 @@ def _instrument():
     from torch.utils.data import DistributedSampler
 
     def counted(name, fn):
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+
         def wrapper(*args, **kwargs):
-            record["collectives"].append({"op": name, "t": now(), "async": bool(kwargs.get("async_op"))})
-            return fn(*args, **kwargs)
+            try:
+                asynchronous = bool(signature.bind(*args, **kwargs).arguments.get("async_op")) if signature \
+                    else bool(kwargs.get("async_op"))
+            except TypeError:
+                asynchronous = bool(kwargs.get("async_op"))
+            entry = {"op": name, "t": now(), "async": asynchronous, "waited": None}
+            record["collectives"].append(entry)
+            work = fn(*args, **kwargs)
+            return _Handle(work, entry) if asynchronous and work is not None else work
         wrapper.__wrapped__ = fn
         return wrapper
 

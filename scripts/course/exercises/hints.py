@@ -1,0 +1,59 @@
+"""The hint ladder shared by every exercise: hints per diagnosis go from the symptom, to the tool that finds
+it, to the cause; each check of the same mistake (or each ``hint()``) shows one more, never the answer first.
+
+``COMMON_HINTS`` holds the diagnoses any exercise can meet (a crash, a hang, a syntax error, gaps left,
+a step an exact factor off); an exercise's own hints come first. ``level()`` says which rung is shown.
+"""
+
+COMMON_HINTS = {
+    "missing": ["Run the `%%writefile` cell of the exercise (it writes the script), then this cell."],
+    "syntax": [("Python cannot read the script: fix the line shown (the caret points where Python gave up), run "
+                "the `%%writefile` cell again, then this cell."),
+               "Look also at the line above the one shown: an unclosed bracket or quote is often reported one line late.",
+               "Indentation counts: the filled-in lines must line up with the code around the gap."],
+    "gaps": [("Replace each `...` marked `# TODO` with your code (the comment can stay), run the `%%writefile` cell, "
+              "then this cell.")],
+    "crash": ["Read the error and the line of your script it points to: which name or shape does it complain about?",
+              ("Run the script by hand to see every rank's whole output: `torchrun --standalone --nproc-per-node=2 "
+               "scripts/<name>.py`, or read output.txt in the run folder."),
+              ("If the error is about a name that does not exist, compare your line with the imports at the top and "
+               "the variables defined above it; for a shape or device error print the tensors' .shape and .device.")],
+    "hang": [("One rank waited in a collective (all_reduce, broadcast, barrier, ...) that the other never called, or "
+              "called in another order; the process-group timeout ended it. The lines above show where each rank was."),
+             ("Every collective must be called by every rank, the same number of times, in the same order. Look for a "
+              "collective inside an `if` on the rank, or in a loop whose length differs between ranks (notebook 04 "
+              "shows both: section 12, a collective only some ranks call; section 7, uneven inputs)."),
+             ("Find the collective in the rank that timed out, then the condition or loop that keeps the other rank "
+              "from reaching it, and make every rank call it.")],
+    "no-trace": [("Keep the lines that create `trace = Trace(...)`, call `trace.step(...)` and `trace.save()`: the "
+                  "checker reads what they record.")],
+    "steps": [("The number of optimizer steps differs from the reference: check the loop bounds and the batch size "
+               "(per process, as the check passes it).")],
+    "differs": ["Compare your step with the reference: which parameters differ first, and by how much?",
+                ("Print, on each rank, a gradient's norm after your averaging and the same gradient's norm on one "
+                 "process with the whole batch: they should be equal."),
+                ("Check each line between backward() and optimizer.step(): the gradient every rank applies must be the "
+                 "mean over ranks of their gradients.")],
+    "loss-differs": ["The parameters are right but the recorded losses are not: record the loss of the step you took."],
+    "log-unreadable": [("The log file holds broken lines: two processes wrote into it at once. Which ranks open it for "
+                        "writing?"),
+                       "Only one process (rank 0) should open and write the log; the others should not touch it."],
+}
+
+COMMON_HINTS["factor"] = [
+    ("The step is an exact multiple (or fraction) of the reference's: the factor is in the line above. Something "
+     "is added up, or divided, that many times where it should be once."),
+    ("What in your script counts to that factor: the world size (ranks), the micro-batches, the buckets? Print "
+     "one gradient's norm on each rank and on one process with the whole batch and compare."),
+    ("Between backward() and optimizer.step() the gradient must be the mean over every sample of the global "
+     "batch: one sum over the ranks, divided once by the world size (and losses divided by the micro-batches).")]
+
+
+def hints_for(diagnosis: str, own: dict) -> list[str]:
+    """The hints for a diagnosis: the exercise's own, else the common ones, else the generic comparison."""
+    return own.get(diagnosis) or COMMON_HINTS.get(diagnosis) or COMMON_HINTS["differs"]
+
+
+def level(seen: int, extra: int, count: int) -> int:
+    """The rung shown (1-based): one per check that saw the mistake plus one per hint() asked, at most all."""
+    return max(1, min(seen + extra, count))
