@@ -16,7 +16,7 @@ import nbformat
 import pytest
 import torch
 
-from course import ROOT, SCRIPTS, import_script
+from course import ROOT, SCRIPTS, flight_recorder, import_script
 from course.checkpoint import load_checkpoint
 from course.errors import CourseError
 from course.inline_tensorboard import read_scalars
@@ -339,3 +339,39 @@ def test_monitored_barrier_names_the_missing_rank_in_seconds():
     assert result.returncode != 0
     assert re.search(r"Ranks? 1 failed to pass monitoredBarrier in 4000 ms", result.output)
     assert time.monotonic() - start < 120
+
+
+# ------------------------------------------------------------------------------------ the flight recorder
+
+def _entry(seq, op, sizes=((1024,),)):
+    return {"process_group": ("0", "default_pg"), "collective_seq_id": seq, "profiling_name": op, "is_p2p": False,
+            "input_sizes": [list(s) for s in sizes], "input_dtypes": ["Float"], "state": "scheduled"}
+
+
+def test_first_mismatch_finds_a_different_operation_a_missing_one_and_none():
+    same = [_entry(1, "gloo:all_reduce"), _entry(2, "gloo:all_reduce")]
+    assert flight_recorder.first_mismatch({0: {"entries": same}, 1: {"entries": same}}) is None
+    other = {0: {"entries": same}, 1: {"entries": [same[0], _entry(2, "gloo:broadcast")]}}
+    found = flight_recorder.first_mismatch(other)
+    assert found["seq"] == 2 and found["by_rank"][1][0] == "gloo:broadcast"
+    assert "rank 1 called gloo:broadcast" in flight_recorder.describe(found)
+    missing = flight_recorder.first_mismatch({0: {"entries": same}, 1: {"entries": same[:1]}})
+    assert missing["seq"] == 2 and missing["by_rank"][1] is None
+    assert "rank 1 never called it" in flight_recorder.describe(missing)
+    sizes = flight_recorder.first_mismatch({0: {"entries": same[:1]}, 1: {"entries": [_entry(1, "gloo:all_reduce",
+                                                                                                ((512,),))]}})
+    assert sizes["seq"] == 1
+
+
+def test_flight_recorder_dumps_name_the_collective_that_did_not_match(tmp_path):
+    """2 gloo ranks hang in all_reduce vs broadcast; after the 3 s timeout each rank's dump names its own call."""
+    result = launch("fr_mismatch.py", 2, ["--timeout", "3"], backend="gloo", run_dir=tmp_path, timeout=120,
+                    quiet=True, **QUIET)
+    assert result.returncode == 0 and result.wall_time < 90
+    dumps = flight_recorder.read_dumps(tmp_path / "flight_recorder")
+    assert sorted(dumps) == [0, 1]
+    found = flight_recorder.first_mismatch(dumps)
+    assert found["seq"] == 3, flight_recorder.table(dumps)
+    assert found["by_rank"][0][0] == "gloo:all_reduce" and found["by_rank"][1][0] == "gloo:broadcast"
+    code, last = flight_recorder.analyzer(tmp_path / "flight_recorder")
+    assert isinstance(code, int) and (code == 0 or last), "the analyzer's failure is reported by its last line"
