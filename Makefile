@@ -33,6 +33,7 @@ test: data
 # Speed goals are measured here, not in timed tests: rounds and verdict in runs/benchmarks/*/metrics.json.
 bench: data
 	$(PY) -m course.bench_launcher
+	$(PY) -m course.bench_noise
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

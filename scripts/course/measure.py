@@ -15,7 +15,11 @@ speak; the verdict is computed from them, never written in advance:
 
     result = compare({"1 rank": run_np1, "2 ranks": run_np2}, repeats=3, unit="samples/s")
     result.show()                                   # median, min-max and rounds of each
-    print(result.verdict("2 ranks", "1 rank"))      # "2 ranks: 1.04x (0.91-1.18) of 1 rank ..."
+    print(result.verdict("2 ranks", "1 rank"))      # "2 ranks: 1.04x (0.91-1.18) the samples/s of 1 rank ..."
+
+A verdict follows the rule below (MIN_ROUNDS, SAME_BAND, NOISY_SPREAD; RULE says it in one line), so a
+quick run's two rounds never decide anything. For 1 process against N on a CPU, cpu_threads_rule(N)
+gives both runs their threads and the line to print with the table.
 """
 
 from __future__ import annotations
@@ -24,11 +28,24 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-# Ratios within this band of 1 are "about the same": below what a 2-core shared box can resolve.
+from course import flag
+
+# The rule for a verdict (a comparison of two configurations, round by round):
+# - faster/slower (better/worse) needs at least MIN_ROUNDS paired rounds, every configuration's own rounds
+#   within NOISY_SPREAD of each other (max/min), and every round's ratio on the same side of 1, beyond a
+#   margin: SAME_BAND, or the larger configuration's own spread (max/min - 1) if that is wider (a difference
+#   smaller than what a configuration varies by on its own is not evidence);
+# - "about the same" needs as many rounds and every ratio within SAME_BAND of 1;
+# - anything else is "too noisy to tell", and fewer rounds are "too few to decide".
+# A configuration compared with itself then gives a verdict about once in 10,000 comparisons or less,
+# whatever the noise (tests/test_measure.py simulates it; python -m course.bench_noise measures it under load).
+MIN_ROUNDS = 5
 SAME_BAND = 0.05
-# A spread of per-round ratios wider than this (max/min) means the machine was too noisy to conclude.
 NOISY_SPREAD = 1.5
+RULE = (f"verdicts: faster/slower only when all of >= {MIN_ROUNDS} rounds agree, beyond {SAME_BAND:.0%} and beyond "
+        f"each configuration's own spread, which must stay within {NOISY_SPREAD}x")
 
 
 class StepTimer:
@@ -100,6 +117,11 @@ class Measurement:
     def high(self) -> float:
         return max(self.values)
 
+    @property
+    def spread(self) -> float:
+        """max/min of the rounds: 1.0 when they all agree; inf when a round measured 0 or less."""
+        return self.high / self.low if self.low > 0 else float("inf")
+
     def __str__(self) -> str:
         if len(self.values) == 1:
             return f"{_fmt(self.values[0])} (1 round)"
@@ -134,49 +156,71 @@ class Comparison:
     def show(self) -> None:
         print(self.table())
 
-    def conclusion(self, name: str, baseline: str) -> str:
-        """The verdict as one word, for tests and branches: 'above' / 'below' (every round's ratio beyond
-        the same-band, on that side of 1), 'same', 'unclear' (rounds on both sides, spread moderate) or
-        'noisy' (too few rounds, or rounds that disagree by more than NOISY_SPREAD)."""
+    def judge(self, name: str, baseline: str) -> dict:
+        """The rule, with its evidence: key ('above', 'below', 'same', 'noisy', 'few' or 'none'), the
+        per-round ratios, each configuration's own spread (max/min), the margin used and the counts of
+        rounds above 1 + margin and below 1 / (1 + margin)."""
         ratios = self.ratios(name, baseline)
-        if len(ratios) < 2:
-            return "noisy"
-        low, high = min(ratios), max(ratios)
-        if low > 1 + SAME_BAND:
-            return "above"
-        if high < 1 - SAME_BAND:
-            return "below"
-        if high / low > NOISY_SPREAD:
-            return "noisy"
-        if 1 - SAME_BAND <= low and high <= 1 + SAME_BAND:
-            return "same"
-        return "unclear"
-
-    def verdict(self, name: str, baseline: str, what: str | None = None) -> str:
-        """One sentence, computed from the paired ratios: faster/slower (better/worse), about the same,
-        no clear difference, or too noisy to tell."""
-        ratios = self.ratios(name, baseline)
+        spreads = {n: self.measurements[n].spread for n in (name, baseline)}
+        margin = max(SAME_BAND, max(spreads.values()) - 1)
+        up = sum(r > 1 + margin for r in ratios)
+        down = sum(r < 1 / (1 + margin) for r in ratios)
+        same = sum(1 / (1 + SAME_BAND) <= r <= 1 + SAME_BAND for r in ratios)
         if not ratios:
+            key = "none"
+        elif len(ratios) < MIN_ROUNDS:
+            key = "few"
+        elif max(spreads.values()) > NOISY_SPREAD:
+            key = "noisy"
+        elif up == len(ratios):
+            key = "above"
+        elif down == len(ratios):
+            key = "below"
+        elif same == len(ratios):
+            key = "same"
+        else:
+            key = "noisy"
+        return {"key": key, "ratios": ratios, "spreads": spreads, "margin": margin, "above": up, "below": down}
+
+    def conclusion(self, name: str, baseline: str) -> str:
+        """The verdict as one word, for tests and branches: 'above' / 'below' (the rule above holds: >=
+        MIN_ROUNDS rounds, own spreads within NOISY_SPREAD, every ratio beyond the margin on that side of 1),
+        'same' (every ratio within SAME_BAND of 1), or 'noisy' (anything else, too few rounds included)."""
+        key = self.judge(name, baseline)["key"]
+        return key if key in ("above", "below", "same") else "noisy"
+
+    def verdict(self, name: str, baseline: str, what: str | None = None, equal_work: bool = False) -> str:
+        """One sentence, computed from the paired ratios by the rule above: faster/slower (better/worse),
+        about the same, too noisy to tell, or too few rounds to decide. equal_work=True labels a
+        comparison of the same work done two ways (or twice), whose lesson is that nothing should differ."""
+        j = self.judge(name, baseline)
+        ratios, key, margin = j["ratios"], j["key"], j["margin"]
+        if key == "none":
             return f"{name} vs {baseline}: nothing measured"
+        n = len(ratios)
         med, low, high = statistics.median(ratios), min(ratios), max(ratios)
         what = what or ("time" if self.unit in ("s", "ms", "s/step") else self.unit or "value")
-        spread = f" ({low:.2f}-{high:.2f})" if len(ratios) > 1 else ""
-        head = f"{name}: {med:.2f}x{spread} the {what} of {baseline}"
+        spread = f" ({low:.2f}-{high:.2f})" if n > 1 else ""
+        head = f"{name}: {med:.2f}x{spread} the {what} of {baseline}" + (" (equal work)" if equal_work else "")
         timing = self.unit.endswith("/s") or self.unit in ("s", "ms", "s/step")
         good, bad = ("faster", "slower") if timing else ("better", "worse")
-        key = self.conclusion(name, baseline)
+        rounds = f"{n} round{'s' if n > 1 else ''}"
+        if key == "few":
+            then = "the full run decides" if flag("COURSE_QUICK") else f"a verdict needs at least {MIN_ROUNDS}"
+            return f"{head} - {rounds}: too few to decide; {then}"
         if key in ("above", "below"):
             word = (good if self.higher_is_better else bad) if key == "above" else \
                 (bad if self.higher_is_better else good)
-            return f"{head} - {word} in every one of {len(ratios)} rounds"
+            return f"{head} - {word} in every one of {rounds}, each beyond {margin:.0%}"
         if key == "same":
-            return f"{head} - about the same (every round within {SAME_BAND:.0%})"
-        if key == "unclear":
-            return f"{head} - no clear difference on this machine (rounds on both sides of 1 or close to it)"
-        if len(ratios) < 2:
-            return f"{head} - one round only, too few to conclude anything; rerun with repeats >= 3"
-        return (f"{head} - too noisy to tell: its rounds disagree by more than {NOISY_SPREAD:.1f}x; "
-                "rerun with more repeats on an idle machine")
+            return f"{head} - about the same (every one of {rounds} within {SAME_BAND:.0%})"
+        worst = max(j["spreads"], key=j["spreads"].get)
+        if j["spreads"][worst] > NOISY_SPREAD:
+            return (f"{head} - too noisy to tell: the rounds of {worst} alone vary {j['spreads'][worst]:.2f}x "
+                    f"(limit {NOISY_SPREAD}x); rerun on a quieter machine")
+        return (f"{head} - too noisy to tell: {j['above']} of {rounds} above {1 + margin:.2f}x, {j['below']} below "
+                f"{1 / (1 + margin):.2f}x, {n - j['above'] - j['below']} between (margin {margin:.0%}: "
+                f"{SAME_BAND:.0%} or the larger own spread)")
 
     def to_dict(self) -> dict:
         return {"unit": self.unit, "higher_is_better": self.higher_is_better,
@@ -223,6 +267,41 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> li
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+class ThreadRule(NamedTuple):
+    """CPU threads for a 1-vs-N comparison: each of the N processes, the 1 process, and the line to print."""
+
+    n_process_threads: int
+    one_process_threads: int
+    line: str
+
+
+def cpu_threads_rule(nproc: int, cores: int | None = None) -> ThreadRule:
+    """The one rule for comparing 1 process with ``nproc`` processes on a CPU: total threads equal.
+
+    Each of the N processes gets ``cores // nproc`` threads (at least 1) and the single process gets as
+    many threads as the N processes have together (at most ``cores``). Why this rule and not "threads per
+    process equal": the question such a comparison asks is whether this machine trains faster split into
+    N processes than as one, so both runs must use the same cores. With equal threads per process the
+    single process would leave cores idle that the N processes use, and N processes would look faster
+    by construction. It is also what course.launcher.plan gives each rank. cores: default course.hardware.cpu_cores().
+    """
+    if nproc < 1:
+        raise ValueError("nproc must be at least 1")
+    if cores is None:
+        from course.hardware import cpu_cores
+
+        cores = cpu_cores()
+    per_process = max(1, cores // nproc)
+    single = min(cores, nproc * per_process)
+    total = nproc * per_process
+    line = (f"CPU threads (rule: total threads equal): {nproc} process{'es' if nproc > 1 else ''} x "
+            f"{per_process} thread{'s' if per_process > 1 else ''} vs 1 process x {single} "
+            f"thread{'s' if single > 1 else ''}, on {cores} CPU core{'s' if cores > 1 else ''}")
+    if total > cores:
+        line += f" ({nproc} processes need {total} threads: more than the cores, so the totals cannot be equal)"
+    return ThreadRule(per_process, single, line)
 
 
 def _fmt(x: float) -> str:
