@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""Pitfall 12 of notebook 04: a collective that only some ranks call.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""Pitfall 12 (notebook 04b): a collective that only some ranks call.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_collective.py --bug --timeout 10  # hangs
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... scripts/pitfall_collective.py --bug  # names the mismatch

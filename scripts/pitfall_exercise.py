@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""Check yourself (notebook 04): a short DDP script with one hidden bug. Find it, fix it in the notebook.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""Check yourself (notebook 04b): a short DDP script with one hidden bug. Find it, fix it in the notebook.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_exercise.py
 Trains the MNIST MLP for a few steps, then reports the validation accuracy (metrics.json) and saves the model.

@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""GradScaler under DDP (notebook 04): every rank has its own scaler, and DDP never synchronises it.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""GradScaler under DDP (notebook 04b): every rank has its own scaler, and DDP never synchronises it.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_grad_scaler.py
 Runs twice: every rank restores the same scaler state (correct), then only rank 0 does (the bug).

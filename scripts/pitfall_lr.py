@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""Pitfall 13 of notebook 04: the learning rate and the global batch, compared after equal samples.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""Pitfall 13 (notebook 04b): the learning rate and the global batch, compared after equal samples.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_lr.py --samples 12800
 Trains the MNIST MLP (SGD with momentum 0.9, as train_ddp.py) three ways, each on the same number of samples:

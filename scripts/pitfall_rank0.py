@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""Pitfalls 9 and 10 of notebook 04: checkpoints and logs written by every rank, or by rank 0 only.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""Pitfalls 9 and 10 (notebook 04b): checkpoints and logs written by every rank, or by rank 0 only.
 
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_rank0.py --bug   # every rank logs and saves
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_rank0.py         # rank 0 only, then a barrier
@@ -83,8 +83,6 @@ def main():
         plain.load_state_dict(load_checkpoint(args.checkpoint, device)["model"])  # onto this rank's device
         same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.module.state_dict().values()))
         print(f"rank {rank}: loaded onto {device}, weights equal to the trained model: {same}", flush=True)
-    # Free DDP before its process group: otherwise gloo sometimes aborts at exit (torch 2.14, CPU) with
-    # "terminate called without an active exception". DDP holds reference cycles, so collect them too.
     dist.destroy_process_group()
 
 

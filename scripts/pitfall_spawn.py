@@ -1,5 +1,5 @@
-# Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
-"""Pitfall 11 of notebook 04: a worker for torch.multiprocessing.spawn, in an importable file.
+# Written by notebooks/04b_pitfalls_reference.ipynb - edit it there; running the notebook rewrites this file.
+"""Pitfall 11 (notebook 04b): a worker for torch.multiprocessing.spawn, in an importable file.
 
     python scripts/pitfall_spawn.py   # 2 processes started with mp.spawn, no torchrun
 Spawned processes re-import their function by module and name; a notebook's functions live in the
