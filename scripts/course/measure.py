@@ -39,7 +39,7 @@ from course import flag
 #   smaller than what a configuration varies by on its own is not evidence);
 # - "about the same" needs as many rounds and every ratio within SAME_BAND of 1;
 # - anything else is "too noisy to tell", and fewer rounds are "too few to decide".
-# A configuration compared with itself then gives a verdict about once in 10,000 comparisons or less,
+# In simulations a configuration compared with itself then gives a verdict about once in 10,000 or less,
 # whatever the noise (tests/test_measure.py simulates it; python -m course.bench_noise measures it under load).
 MIN_ROUNDS = 5
 SAME_BAND = 0.05
@@ -119,8 +119,8 @@ class Measurement:
 
     @property
     def spread(self) -> float:
-        """max/min of the rounds: 1.0 when they all agree; inf when a round measured 0 or less."""
-        return self.high / self.low if self.low > 0 else float("inf")
+        """max/min of the rounds: 1.0 when they all agree; inf when none, or one measured 0 or less."""
+        return self.high / self.low if self.values and self.low > 0 else float("inf")
 
     def __str__(self) -> str:
         if len(self.values) == 1:
