@@ -16,7 +16,7 @@ from jupyter_client.manager import start_new_kernel
 
 from course import ROOT
 from course.hardware import cpu_cores
-from course.launcher import LaunchError, launch, plan, root_cause
+from course.launcher import LaunchError, launch, plan
 
 FIXTURE = "tests/fixtures/ranks.py"
 
@@ -50,7 +50,7 @@ def test_failure_raises_with_the_failing_ranks_traceback():
 def test_failure_without_check_returns_the_exit_code():
     result = launch(FIXTURE, nproc=2, env={"FAIL_RANK": "0"}, timeout=120, check=False, on_line=lambda _: None)
     assert result.returncode == 1
-    assert "deliberate failure on rank 0" in root_cause(result.output)
+    assert "rank 0 exited with code 1" in result.failure and "deliberate failure on rank 0" in result.failure
 
 
 def test_timeout_ends_every_process(wait_no_processes):

@@ -7,28 +7,28 @@
 Nothing is lost: while a run is going, its events go to ``<run_dir>/in_progress/`` (TensorBoard shows
 them live there) and the previous run's events and metrics.json stay where they are. Only ``finish()``
 replaces them, so a run that crashes, is stopped or is given bad values leaves the last good results.
+The run directory is claimed atomically (course.rundir): a second live run into it is refused.
+
+Under course.launcher (``COURSE_STAGED=1``) the launcher does all that around the script: it claims the
+run directory, passes ``--run-dir <run_dir>/in_progress`` and publishes on success; RunLog then writes
+straight into the directory it is given.
 
 A run resumed from a checkpoint taken at step N passes ``resume_step=N``: the crashed run's events in
-``in_progress/`` are kept (or, if that run had finished, its events are copied there), and TensorBoard hides the ones it logged after step N (``purge_step``), so the
-curve continues without a gap or a repeated stretch. ``flush()`` when a checkpoint is written.
+``in_progress/`` are kept (or, if that run had finished, its events are copied there), and TensorBoard
+hides the ones it logged after step N (``purge_step``), so the curve continues without a gap or a
+repeated stretch. ``flush()`` when a checkpoint is written.
 """
 
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
-from course import in_repo
-from course.errors import CourseError
+from course import flag, in_repo
+from course.rundir import LOCK, STAGING, RunDirBusy, claim_run_dir, keep_events_for_resume, publish
 
-LOCK = ".lock"
-STAGING = "in_progress"
-
-
-class RunDirBusy(CourseError):
-    """Another live run is writing into the same run directory."""
+__all__ = ["LOCK", "STAGING", "RunDirBusy", "RunLog"]
 
 
 class RunLog:
@@ -39,19 +39,23 @@ class RunLog:
         self.metrics = dict(config)
         self.loss_history: list[tuple[int, float]] = []
         self.writer = None
+        self.claim = None
+        self.staged = flag("COURSE_STAGED")  # the launcher claims, stages and publishes around us
         if enabled:
-            self._lock()
-            staging = self.run_dir / STAGING
-            if resume_step is None:
-                shutil.rmtree(staging, ignore_errors=True)  # a crashed run's partial events, never results
-            elif not any(staging.glob("events.out.tfevents.*")):  # resuming a run that had finished: its events
-                staging.mkdir(exist_ok=True)                      # continue too (finish() replaces the old ones)
-                for done in self.run_dir.glob("events.out.tfevents.*"):
-                    shutil.copy2(done, staging / done.name)
+            if self.staged:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                events = self.run_dir
+            else:
+                self.claim = claim_run_dir(self.run_dir)
+                events = self.run_dir / STAGING
+                if resume_step is None:
+                    shutil.rmtree(events, ignore_errors=True)  # a crashed run's partial events, never results
+                else:
+                    keep_events_for_resume(self.run_dir, events)
             from torch.utils.tensorboard import SummaryWriter  # only the process that writes pays for it
 
             # purge_step: TensorBoard drops this run's earlier events at steps >= it (logged after the checkpoint)
-            self.writer = SummaryWriter(str(staging), purge_step=None if resume_step is None else resume_step + 1)
+            self.writer = SummaryWriter(str(events), purge_step=None if resume_step is None else resume_step + 1)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer:
@@ -70,56 +74,11 @@ class RunLog:
                             train_loss_history=self.loss_history)
         if self.enabled:
             self.writer.close()
-            staging = self.run_dir / STAGING
-            for old in self.run_dir.glob("events.out.tfevents.*"):
-                old.unlink()
-            for new in staging.glob("events.out.tfevents.*"):
-                new.rename(self.run_dir / new.name)
-            shutil.rmtree(staging, ignore_errors=True)
-            tmp = self.run_dir / f"metrics.json.{os.getpid()}.tmp"
+            folder = self.run_dir if self.staged else self.run_dir / STAGING
+            tmp = folder / f"metrics.json.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(self.metrics, indent=2))
-            os.replace(tmp, self.run_dir / "metrics.json")  # a reader never sees half a file
-            self._unlock()
+            os.replace(tmp, folder / "metrics.json")  # a reader never sees half a file
+            if self.claim is not None:
+                publish(self.run_dir, folder)
+                self.claim.release()
         return self.metrics
-
-    def _lock(self) -> None:
-        """Claim the run directory; a lock left by a process that no longer exists is taken over."""
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.run_dir / f".probe.{os.getpid()}"
-            probe.touch()
-            probe.unlink()
-        except OSError as error:
-            raise CourseError(f"cannot write the run directory {self.run_dir}: {error.strerror}") from None
-        lock = self.run_dir / LOCK
-        me = f"{socket.gethostname()} {os.getpid()}"
-        for _ in range(2):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                owner = lock.read_text().strip() if lock.exists() else ""
-                if owner != me and _alive(owner):
-                    raise RunDirBusy(f"run directory {self.run_dir} is in use by a live run ({owner}); "
-                                     "wait for it, stop it, or pass another --run-dir") from None
-                lock.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(me)
-            return
-        raise RunDirBusy(f"could not claim run directory {self.run_dir}; another run is starting there")
-
-    def _unlock(self) -> None:
-        (self.run_dir / LOCK).unlink(missing_ok=True)
-
-
-def _alive(owner: str) -> bool:
-    host, _, pid = owner.rpartition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return bool(owner) and host != socket.gethostname()  # another machine's lock: assume live
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,0 +1,134 @@
+"""Claiming a run directory (one live run at a time) and replacing its results all at once.
+
+    claim = claim_run_dir(run_dir)      # RunDirBusy if a live run holds it
+    ...                                  # the run writes into run_dir/in_progress
+    publish(run_dir, run_dir / STAGING)  # its results replace the previous ones (only on success)
+    claim.release()
+
+The claim is atomic: ``.lock`` appears with its owner already in it (a private temporary file, locked
+with ``flock``, is hard-linked into place), and it is held by an OS lock on the open file, which the
+system drops when the owner dies, however it dies. A lock whose owner is gone is taken over by renaming
+a new locked file over it, and only by a claimant that holds the old file's OS lock and has checked
+that the path still names that file: so two claimants never both win. Used by course.runlog (plain
+torchrun) and by course.launcher (around any script); imports nothing heavy.
+"""
+
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from course.errors import CourseError
+
+LOCK = ".lock"
+STAGING = "in_progress"
+METRICS = "metrics.json"
+EVENTS = "events.out.tfevents.*"
+
+
+class RunDirBusy(CourseError):
+    """Another live run is writing into the same run directory."""
+
+
+class Claim:
+    """A held run directory; ``release()`` (or leaving a ``with`` block) gives it up."""
+
+    def __init__(self, run_dir: Path, fd: int):
+        self.run_dir, self.fd = run_dir, fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        (self.run_dir / LOCK).unlink(missing_ok=True)  # while still holding it: nobody else changes the path
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.release()
+
+
+def owner_text() -> str:
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def claim_run_dir(run_dir: str | os.PathLike, attempts: int = 50) -> Claim:
+    """Claim ``run_dir`` (created if needed) for this process; RunDirBusy if a live run holds it."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".probe.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise CourseError(f"cannot write the run directory {run_dir}: {error.strerror}") from None
+    lock = run_dir / LOCK
+    tmp = run_dir / f"{LOCK}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    mine = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(mine, owner_text().encode())
+        fcntl.flock(mine, fcntl.LOCK_EX | fcntl.LOCK_NB)  # private: nobody else can hold it
+        for _ in range(attempts):
+            try:
+                os.link(tmp, lock)  # appears complete, owner inside, already locked
+                return Claim(run_dir, mine)
+            except FileExistsError:
+                pass
+            try:
+                theirs = os.open(lock, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # released meanwhile: try to create it again
+            try:
+                try:
+                    fcntl.flock(theirs, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    owner = os.pread(theirs, 200, 0).decode(errors="replace").strip()
+                    raise RunDirBusy(f"run directory {run_dir} is in use by a live run ({owner}); "
+                                     "wait for it, stop it, or pass another --run-dir") from None
+                try:
+                    same = os.stat(lock).st_ino == os.fstat(theirs).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:  # its owner is gone and we hold its lock: replace it with ours
+                    os.rename(tmp, lock)
+                    return Claim(run_dir, mine)
+            finally:
+                os.close(theirs)
+        raise RunDirBusy(f"could not claim run directory {run_dir}; other runs keep starting there")
+    except BaseException:
+        os.close(mine)
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)  # linked or renamed: the lock is the same file under its own name
+
+
+def publish(run_dir: Path, staging: Path) -> None:
+    """Replace ``run_dir``'s previous results with what ``staging`` holds: the old event files go, every
+    file and folder of ``staging`` takes its name's place, metrics.json last (a reader never sees half a
+    file, nor new metrics beside old events); then ``staging`` is removed."""
+    for old in run_dir.glob(EVENTS):
+        old.unlink()
+    for new in sorted(staging.iterdir()):
+        if new.name == METRICS:
+            continue
+        target = run_dir / new.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(new, target)
+    if (staging / METRICS).exists():
+        os.replace(staging / METRICS, run_dir / METRICS)
+    else:
+        (run_dir / METRICS).unlink(missing_ok=True)  # the old ones would describe another run
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def keep_events_for_resume(run_dir: Path, staging: Path) -> None:
+    """Resuming: the staged events of a crashed run stay; if there are none (the run had finished), the
+    finished run's events are copied in, so that TensorBoard's curve continues."""
+    staging.mkdir(parents=True, exist_ok=True)
+    if not any(staging.glob(EVENTS)):
+        for done in run_dir.glob(EVENTS):
+            shutil.copy2(done, staging / done.name)
