@@ -1,11 +1,19 @@
 # Written by notebooks/03_ddp_five_steps.ipynb - edit it there; running the notebook rewrites this file.
 """Train a classifier with DistributedDataParallel: train_single.py plus the five DDP steps.
 
-    torchrun --standalone --nproc-per-node=2 scripts/train_ddp.py                    # MLP, MNIST-shaped set
-    torchrun --standalone --nproc-per-node=2 scripts/train_ddp.py --dataset flowers  # small CNN, flowers
+    torchrun --standalone --nproc-per-node=2 train_ddp.py                    # MLP, MNIST-shaped set
+    torchrun --standalone --nproc-per-node=2 train_ddp.py --dataset flowers  # small CNN, flowers
+
+Copy it into your own project with course/data.py and course/models.py (your data and model code) and
+course/errors.py (see @record); it needs torch, torchvision, tqdm and tensorboard, nothing else.
+Relative paths (--run-dir, --checkpoint) are relative to the working directory.
 """
 import argparse
+import json
 import os
+import statistics
+import sys
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -14,18 +22,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from course.args import nonnegative_int, positive_float, positive_int, repo_path
-from course.checkpoint import check_writable, save_checkpoint
-from course.data import build_datasets
-from course.errors import record, reported_once
-from course.hardware import backend_for, pick_device
-from course.measure import StepTimer
+from course.data import DatasetError, build_datasets
+from course.errors import record  # torch's @record, fixed: torch writes its error file non-atomically
 from course.models import DEFAULT_MODEL, build_model
-from course.runlog import RunLog
 
 NAME = Path(__file__).stem
+
+
+def number(kind, low, strict=True):
+    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        return value
+    return parse
 
 
 def parse_args():
@@ -33,18 +50,63 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
     parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
-    parser.add_argument("--image-size", type=positive_int, default=64, help="flowers only: resized to this")
-    parser.add_argument("--epochs", type=positive_int, default=3)
-    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many steps (0: none)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step, per process (DDP step 4)")
-    parser.add_argument("--lr", type=positive_float, default=0.05)
-    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--image-size", type=number(int, 0), default=64, help="flowers only: resized to this")
+    parser.add_argument("--epochs", type=number(int, 0), default=3)
+    parser.add_argument("--max-steps", type=number(int, 0, False), default=0, help="stop after this many steps (0: none)")
+    parser.add_argument("--batch-size", type=number(int, 0), default=64, help="samples per step, per process (DDP step 4)")
+    parser.add_argument("--lr", type=number(float, 0.0), default=0.05)
+    parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between logged losses")
-    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
-    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
-    parser.add_argument("--checkpoint", type=repo_path, default=f"weights/{NAME}.pt")
+    parser.add_argument("--log-every", type=number(int, 0), default=10, help="steps between logged losses")
+    parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint", type=Path, default=Path("weights", f"{NAME}.pt"))
     return parser.parse_args()
+
+
+def fail(message):
+    """Bad input found before training: one "error: ..." line and exit status 2, as argparse does."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_writable(path):
+    """Refuse a checkpoint path that cannot be written now, naming the cause, not after an epoch of training."""
+    blocker = next((p for p in path.parents if p.is_file()), None)
+    if blocker:
+        fail(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        fail(f"cannot write the checkpoint {path}: {error.strerror}")
+
+
+def save_atomically(obj, path, save=torch.save):
+    """save(obj, file) into a temporary file, then rename it onto ``path``: a crash mid-write leaves the old
+    file whole. One temporary name per file, so the next save reuses whatever a killed writer left."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:  # a plain open: the file gets the user's umask, like torch.save(obj, path)
+        save(obj, f)
+    os.replace(tmp, path)  # atomic on POSIX and Windows
+
+
+def save_json(obj, f):
+    f.write(json.dumps(obj, indent=2).encode())
+
+
+def pick_device(local_rank, local_world_size):  # DDP step 2: (device, backend) for this rank
+    """An accelerator per process (<type>:local_rank) with PyTorch's backend for it (nccl for CUDA, xccl for XPU)
+    if there is one for every process on this machine and that backend carries its tensors; else the CPU and
+    gloo (so on a Mac, whose MPS device gloo cannot carry, ranks use the CPU). The rule of course.hardware.choose."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator and torch.accelerator.device_count() >= local_world_size:
+        backend = dist.Backend.default_device_backend_map.get(accelerator.type)
+        if accelerator.type in dist.Backend.backend_capability.get(backend, ()):
+            return torch.device(accelerator.type, local_rank), backend
+    return torch.device("cpu"), "gloo"
 
 
 @torch.no_grad()
@@ -62,25 +124,25 @@ def evaluate(model, loader, device):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
+    start = time.time()
     # DDP step 1: torchrun starts one process per device and tells each who it is.
     rank = int(os.environ["RANK"])  # global: unique across all machines; decides who logs and saves
     local_rank = int(os.environ["LOCAL_RANK"])  # on this machine only: decides which device
     world_size = int(os.environ["WORLD_SIZE"])  # how many processes in all
     # DDP step 2: bind the process to its own device *before* anything touches it (cpu without accelerators).
-    device = pick_device(local_rank)
+    device, backend = pick_device(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
     # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
-    with reported_once(rank):  # DDP step 5: checked before the process group exists; rank 0 reports
+    try:  # DDP step 5: checked on every rank before the process group exists, so every rank stops
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-        check_writable(args.checkpoint)  # not after an epoch of training
-        log = RunLog(args.run_dir, enabled=rank == 0, script=NAME, world_size=world_size,  # DDP step 5
-                     backend=backend_for(device), device=str(device), batch_per_rank=args.batch_size,
-                     global_batch=args.batch_size * world_size, lr=args.lr,
-                     dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset])
-    dist.init_process_group(backend_for(device))  # DDP step 1: join the others (nccl for GPUs, gloo for CPUs)
+    except DatasetError as error:
+        fail(error)
+    check_writable(args.checkpoint)  # not after an epoch of training
+    writer = SummaryWriter(args.run_dir) if rank == 0 else None  # DDP step 5: TensorBoard events, one writer
+    dist.init_process_group(backend)  # DDP step 1: join the others (nccl for GPUs, gloo for CPUs)
     # DDP step 4: each rank reads its own 1/world_size of the data (same seeded permutation, every
     # world_size-th index); validation is split without padding so that no image is counted twice.
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -89,7 +151,8 @@ def main():
                               pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     val_loader = DataLoader(val_set, 256, num_workers=args.workers)
 
-    model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
+    model_name = args.model or DEFAULT_MODEL[args.dataset]
+    model = build_model(model_name, num_classes).to(device)
     # DDP step 3: wrap. At construction DDP broadcasts rank 0's parameters and buffers to every rank
     # (init_sync=True); in backward() it averages the gradients; before each training forward it re-syncs
     # the buffers (e.g. BatchNorm's running statistics) from rank 0 (forward_sync_buffers=True).
@@ -103,15 +166,17 @@ def main():
     print(f"rank {rank} (local rank {local_rank}) on {device}", flush=True)
 
     # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
-    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None  # a GPU runs ahead of Python
+    durations, timed_samples = [], 0
     running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
-    step, train_loss = 0, float("nan")
+    step, train_loss, history = 0, float("nan"), []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # DDP step 4: a new shuffle each epoch (the same on every rank)
         # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
         steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
         bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90, disable=rank != 0)  # DDP step 5
-        timer.start()
+        sync()
+        last = time.perf_counter()
         for i, (images, labels) in enumerate(bar):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(model(images), labels)
@@ -124,28 +189,43 @@ def main():
                 dist.all_reduce(running)  # DDP step 5: summed over ranks, so the logged loss is the global mean
                 train_loss = (running[0] / running[1]).item()  # the mean of the steps since the last log
                 running.zero_()
-                log.scalar("train/loss", train_loss, step)
-            timer.tick(len(labels))
+                if rank == 0:  # DDP step 5
+                    writer.add_scalar("train/loss", train_loss, step)
+                    history.append((step, train_loss))
+            sync()
+            now = time.perf_counter()
+            if step > args.warmup_steps:
+                durations.append(now - last)
+                timed_samples += len(labels)
+            last = now
 
         counts = evaluate(model, val_loader, device)
         dist.all_reduce(counts)  # DDP step 5: exact global accuracy = summed counts of all ranks
         correct, total = counts.tolist()
-        log.scalar("val/accuracy", correct / total, step)
         if rank == 0:  # DDP step 5: one writer; save the unwrapped model, so keys carry no "module." prefix
+            writer.add_scalar("val/accuracy", correct / total, step)
             print(f"epoch {epoch}: step {step}, train loss {train_loss:.4f}, "
                   f"val accuracy {correct / total:.4f} ({correct}/{total})", flush=True)
-            save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                             "epoch": epoch, "step": step}, args.checkpoint)
+            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+                     "step": step}
+            save_atomically(state, args.checkpoint)
         if step == args.max_steps:
             break
 
-    metrics = log.finish(steps=step, **timer.summary(world_size),  # DDP step 5: samples/s summed over ranks
-                         final_train_loss=train_loss, val_accuracy=correct / total, val_correct=correct,
-                         val_total=total)
-    rate, timed = metrics["samples_per_s"], metrics["timed_steps"]
-    speed = f"{rate:.0f} samples/s ({timed} timed steps)" if rate is not None else "no step timed after the warm-up"
+    # DDP step 5: samples/s summed over ranks (each timed its own steps of the same length)
+    rate = timed_samples * world_size / sum(durations) if durations else None
+    metrics = {"script": NAME, "world_size": world_size, "backend": backend, "device": str(device),
+               "batch_per_rank": args.batch_size, "global_batch": args.batch_size * world_size, "lr": args.lr,
+               "dataset": args.dataset, "model": model_name, "steps": step, "samples_per_s": rate,
+               "timed_steps": len(durations), "warmup_steps": min(args.warmup_steps, step),
+               "step_time_median_s": statistics.median(durations) if durations else None,
+               "final_train_loss": train_loss, "val_accuracy": correct / total, "val_correct": correct,
+               "val_total": total, "wall_time_s": round(time.time() - start, 3), "train_loss_history": history}
     if rank == 0:  # DDP step 5
-        print(f"done: {speed}, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
+        writer.close()
+        save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
+        speed = f"{rate:.0f} samples/s ({len(durations)} timed steps)" if rate else "no step timed after the warm-up"
+        print(f"done: {speed}, val accuracy {correct / total:.4f}", flush=True)
     dist.destroy_process_group()  # DDP step 1: leave the group cleanly
 
 

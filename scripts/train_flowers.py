@@ -1,21 +1,30 @@
 # Written by notebooks/07_capstone_flowers.ipynb - edit it there; running the notebook rewrites this file.
 """The capstone: a ResNet learns the five flower classes with DDP, end to end.
 
-    torchrun --standalone --nproc-per-node=2 scripts/train_flowers.py                  # the generated flowers
-    COURSE_FLOWERS_DIR=~/flower_photos torchrun ... scripts/train_flowers.py --image-size 224 --workers 4
-    torchrun ... scripts/train_flowers.py --pretrained weights/resnet18_imagenet.pth --freeze-epochs 1
-    torchrun ... scripts/train_flowers.py --resume     # continue from <checkpoint-dir>/last.pt
+    torchrun --standalone --nproc-per-node=2 train_flowers.py                  # the generated flowers
+    torchrun ... train_flowers.py --data-dir ~/flower_photos --image-size 224 --workers 4
+    torchrun ... train_flowers.py --pretrained weights/resnet18_imagenet.pth --freeze-epochs 1
+    torchrun ... train_flowers.py --resume     # continue from <checkpoint-dir>/last.pt
 
 What notebooks 01-06 taught, in one script: the five DDP steps (03); a global batch that stays the same
 when the number of processes changes, by gradient accumulation with no_sync (05); a learning rate scaled
 to that batch, with warm-up then cosine decay; mixed precision where the device has it (05); exact
 distributed evaluation (03); best and last checkpoints, atomic and resumable (06); SyncBatchNorm where
 the backend supports it; TensorBoard scalars, image grids and a confusion matrix (07).
+
+Copy it into your own project with course/data.py and course/models.py (your data and model code) and
+course/errors.py (see @record); it needs torch, torchvision, tqdm and tensorboard (and matplotlib for the
+two figures, which are left out without it). Relative paths are relative to the working directory.
 """
 import argparse
+import json
 import math
 import os
+import pickle
+import statistics
+import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,16 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from course.args import nonnegative_int, positive_float, positive_int, repo_path
-from course.capstone import RESNETS, check_images, confusion_figure, denormalize, load_weights, resnet
-from course.checkpoint import check_writable, save_checkpoint
-from course.data import build_datasets
-from course.errors import CourseError, record, reported_once
-from course.hardware import backend_for, pick_device
-from course.measure import StepTimer
-from course.runlog import RunLog
+from course.data import DatasetError, build_datasets, denormalize
+from course.errors import record  # torch's @record, fixed: torch writes its error file non-atomically
+from course.models import RESNETS, resnet
 
 NAME = Path(__file__).stem
 # SyncBatchNorm's forward runs on these device types only (torch/nn/modules/batchnorm.py); on the CPU,
@@ -41,35 +46,93 @@ NAME = Path(__file__).stem
 SYNC_BN_DEVICES = ("cuda", "xpu", "hpu")
 
 
+def number(kind, low, strict=True):
+    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        return value
+    return parse
+
+
+def fail(message):
+    """Bad input found before training: one "error: ..." line and exit status 2, as argparse does."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_writable(path):
+    """Refuse a checkpoint path that cannot be written now, naming the cause, not after an epoch of training."""
+    blocker = next((p for p in path.parents if p.is_file()), None)
+    if blocker:
+        fail(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        fail(f"cannot write the checkpoint {path}: {error.strerror}")
+
+
+def save_atomically(obj, path, save=torch.save):
+    """save(obj, file) into a temporary file, then rename it onto ``path``: a crash mid-write leaves the old
+    file whole. One temporary name per file, so the next save reuses whatever a killed writer left."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:  # a plain open: the file gets the user's umask, like torch.save(obj, path)
+        save(obj, f)
+    os.replace(tmp, path)  # atomic on POSIX and Windows
+
+
+def save_json(obj, f):
+    f.write(json.dumps(obj, indent=2).encode())
+
+
+def pick_device(local_rank, local_world_size):  # (device, backend) for this rank
+    """An accelerator per process (<type>:local_rank) with PyTorch's backend for it (nccl for CUDA, xccl for XPU)
+    if there is one for every process on this machine and that backend carries its tensors; else the CPU and
+    gloo (so on a Mac, whose MPS device gloo cannot carry, ranks use the CPU). The rule of course.hardware.choose."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator and torch.accelerator.device_count() >= local_world_size:
+        backend = dist.Backend.default_device_backend_map.get(accelerator.type)
+        if accelerator.type in dist.Backend.backend_capability.get(backend, ()):
+            return torch.device(accelerator.type, local_rank), backend
+    return torch.device("cpu"), "gloo"
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="a flower_photos-style folder (default: $COURSE_FLOWERS_DIR, else "
                                            "the generated set)")
     parser.add_argument("--model", choices=sorted(RESNETS), default="resnet18")
-    parser.add_argument("--image-size", type=positive_int, default=64, help="pixels per side (224 for real photos)")
-    parser.add_argument("--epochs", type=positive_int, default=8)
-    parser.add_argument("--global-batch", type=positive_int, default=64,
+    parser.add_argument("--image-size", type=number(int, 0), default=64, help="pixels per side (224 for real photos)")
+    parser.add_argument("--epochs", type=number(int, 0), default=8)
+    parser.add_argument("--global-batch", type=number(int, 0), default=64,
                         help="samples per optimizer step, over all processes: the same whatever nproc is")
-    parser.add_argument("--batch-size", type=positive_int, default=32,
+    parser.add_argument("--batch-size", type=number(int, 0), default=32,
                         help="largest micro-batch per process (what fits in memory); accumulation makes up the rest")
-    parser.add_argument("--base-lr", type=positive_float, default=0.2,
+    parser.add_argument("--base-lr", type=number(float, 0.0), default=0.2,
                         help="learning rate for a global batch of 256; scaled linearly to --global-batch")
-    parser.add_argument("--warmup-epochs", type=nonnegative_int, default=1, help="linear warm-up, then cosine decay")
+    parser.add_argument("--warmup-epochs", type=number(int, 0, False), default=1, help="linear warm-up, then cosine decay")
     parser.add_argument("--weight-decay", type=float, default=5e-4)
     parser.add_argument("--amp", choices=["auto", "on", "off"], default="auto",
                         help="mixed precision: auto = on accelerators (bf16, or fp16 + GradScaler), off on CPUs")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm where the device supports it")
-    parser.add_argument("--pretrained", type=repo_path, help="a .pth state_dict to start from (head replaced)")
-    parser.add_argument("--freeze-epochs", type=nonnegative_int, default=0,
+    parser.add_argument("--pretrained", type=Path, help="a .pth state_dict to start from (head replaced)")
+    parser.add_argument("--freeze-epochs", type=number(int, 0, False), default=0,
                         help="with --pretrained: train only the new head for this many epochs")
-    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes per rank")
+    parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes per rank")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many optimizer steps")
-    parser.add_argument("--log-every", type=positive_int, default=5, help="optimizer steps between logged losses")
-    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
-    parser.add_argument("--show-images", type=nonnegative_int, default=16, help="images per TensorBoard grid")
-    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
-    parser.add_argument("--checkpoint-dir", type=repo_path, default=f"weights/{NAME}", help="best.pt and last.pt")
+    parser.add_argument("--max-steps", type=number(int, 0, False), default=0, help="stop after this many optimizer steps")
+    parser.add_argument("--log-every", type=number(int, 0), default=5, help="optimizer steps between logged losses")
+    parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")
+    parser.add_argument("--show-images", type=number(int, 0, False), default=16, help="images per TensorBoard grid")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("weights", NAME), help="best.pt and last.pt")
     parser.add_argument("--resume", action="store_true", help="continue from <checkpoint-dir>/last.pt if it exists")
     args = parser.parse_args()
     if args.freeze_epochs and not args.pretrained:
@@ -82,7 +145,7 @@ def accumulation(global_batch: int, batch_size: int, world_size: int) -> tuple[i
     steps = math.ceil(global_batch / (world_size * batch_size))
     micro, rest = divmod(global_batch, world_size * steps)
     if rest:
-        raise CourseError(f"--global-batch {global_batch} cannot be split evenly over {world_size} processes x "
+        fail(f"--global-batch {global_batch} cannot be split evenly over {world_size} processes x "
                           f"{steps} micro-steps; choose a multiple of {world_size * steps}")
     return micro, steps
 
@@ -98,8 +161,8 @@ def amp_dtype(device: torch.device, mode: str):
     """The autocast type, or None: bf16 where the device has it, else fp16 (which needs a GradScaler)."""
     if mode == "off" or (mode == "auto" and device.type == "cpu"):  # most CPUs run bf16 slower than fp32
         return None
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16  # a GPU without bf16 units (V100, T4) would only emulate it, slowly
     return torch.bfloat16
 
 
@@ -123,9 +186,62 @@ def evaluate(model, loader, device, num_classes, dtype, keep=0):
     return confusion, loss_sum, wrong
 
 
-def misclassified_figure(wrong, classes):
-    """The misclassified images with their true and predicted class, as a matplotlib figure."""
+def load_weights(path, model, device, skip=()):
+    """Load the weights in ``path`` (a state_dict, or a checkpoint with a "model" entry) into ``model``, but for
+    tensors whose names start with a prefix in ``skip``; return the file's contents. weights_only=True refuses
+    a file that would run code when loaded, map_location puts the tensors on this process's device."""
+    try:
+        with warnings.catch_warnings():  # torch warns about unusual pickles, once per rank: the error says it
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        fail(f"{path} is not a plain tensor checkpoint: it was refused because loading it would run code "
+             "(or build objects other than tensors); load it with weights_only=False only if you trust it")
+    except (RuntimeError, EOFError, ValueError, OSError) as error:
+        fail(f"{path} cannot be read: corrupt or truncated ({type(error).__name__})")
+    weights = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        fail(f"{path} holds no state_dict (a dict of tensors, or a checkpoint with a 'model' entry)")
+    weights = {k.removeprefix("module."): v for k, v in weights.items() if not k.startswith(skip)}
+    mine = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
+    differ = sorted(set(mine) ^ set(weights)) + [k for k in mine if k in weights and mine[k].shape != weights[k].shape]
+    if differ:
+        k = differ[0]
+        fail(f"{path} does not fit a {model.course_name} ({len(differ)} tensors differ, first {k}): "
+             "another architecture?")
+    model.load_state_dict(weights, strict=not skip)
+    return state
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (a training process has none), or None if it is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def confusion_figure(matrix, classes, plt):
+    """A matplotlib figure of a confusion matrix (rows: true class, columns: predicted), counts in cells."""
+    fig, ax = plt.subplots(figsize=(4.6, 4))
+    ax.imshow(matrix, cmap="Blues")
+    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set(xlabel="predicted", ylabel="true", title="validation confusion matrix")
+    for i, row in enumerate(matrix.tolist()):
+        for j, count in enumerate(row):
+            ax.text(j, i, str(count), ha="center", va="center", fontsize=8,
+                    color="white" if count > matrix.max().item() / 2 else "#222")
+    fig.tight_layout()
+    return fig
+
+
+def misclassified_figure(wrong, classes, plt):
+    """The misclassified images with their true and predicted class, as a matplotlib figure."""
 
     cols = min(8, max(1, len(wrong)))
     rows = max(1, math.ceil(len(wrong) / cols))
@@ -142,35 +258,38 @@ def misclassified_figure(wrong, classes):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
+    start = time.time()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    device = pick_device(local_rank)  # an accelerator per process if there is one for each, else the CPU
+    device, backend = pick_device(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     last_path, best_path = args.checkpoint_dir / "last.pt", args.checkpoint_dir / "best.pt"
 
-    # Everything that can be wrong with the input is found before the process group exists, on every rank;
-    # rank 0 prints one "error: ..." line and every rank exits with status 2.
-    with reported_once(rank):
-        micro, accum = accumulation(args.global_batch, args.batch_size, world_size)
+    # Everything that can be wrong with the input is found before the process group exists, on every rank:
+    # each prints the same one "error: ..." line and exits with status 2 (no rank is left waiting for another).
+    micro, accum = accumulation(args.global_batch, args.batch_size, world_size)
+    try:  # every image is decoded once here: a corrupt one stops the run now, not in the middle of an epoch
         train_set, val_set, num_classes = build_datasets("flowers", args.data_dir, args.image_size)
-        classes = train_set.base.classes
-        check_images(train_set)  # a corrupt image stops the run now, not in the middle of an epoch
-        check_writable(last_path)
-        model = resnet(args.model, num_classes).to(device)
-        if args.pretrained:  # e.g. torchvision's ImageNet weights: everything but the 1000-class head
-            load_weights(args.pretrained, model, device, skip=("fc.",))
-        resumed = load_weights(last_path, model, device) if args.resume and last_path.exists() else None
-        if resumed and resumed.get("config", {}).get("classes") != classes:
-            raise CourseError(f"{last_path} was trained on other classes: {resumed.get('config', {}).get('classes')}")
-        if resumed and (resumed["epoch"] >= args.epochs or 0 < args.max_steps <= resumed["step"]):
-            raise CourseError(f"{last_path} has trained {resumed['epoch']} epochs ({resumed['step']} steps) already; "
-                              "pass a larger --epochs (or --max-steps) to train on")
-        log = RunLog(args.run_dir, enabled=rank == 0, resume_step=resumed["step"] if resumed else None,
-                     script=NAME, world_size=world_size, backend=backend_for(device), device=str(device),
-                     model=args.model, image_size=args.image_size, classes=classes)
-    dist.init_process_group(backend_for(device))
+    except DatasetError as error:
+        fail(error)
+    classes = train_set.base.classes
+    check_writable(last_path)
+    model = resnet(args.model, num_classes).to(device)
+    if args.pretrained:  # e.g. torchvision's ImageNet weights: everything but the 1000-class head
+        load_weights(args.pretrained, model, device, skip=("fc.",))
+    resumed = load_weights(last_path, model, device) if args.resume and last_path.exists() else None
+    if resumed and resumed.get("config", {}).get("classes") != classes:
+        fail(f"{last_path} was trained on other classes: {resumed.get('config', {}).get('classes')}")
+    if resumed and (resumed["epoch"] >= args.epochs or 0 < args.max_steps <= resumed["step"]):
+        fail(f"{last_path} has trained {resumed['epoch']} epochs ({resumed['step']} steps) already; "
+             "pass a larger --epochs (or --max-steps) to train on")
+    # Rank 0 writes the TensorBoard events. A resumed run hides the events its crashed predecessor logged after
+    # the checkpoint (purge_step), so the curve continues without a repeated stretch.
+    writer = SummaryWriter(args.run_dir, purge_step=resumed["step"] + 1 if resumed else None) if rank == 0 else None
+    loss_history = []  # (step, global mean loss), for metrics.json
+    dist.init_process_group(backend)
 
     # Exact global batch: world_size processes x `accum` micro-steps x `micro` samples, whatever world_size is.
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -202,7 +321,7 @@ def main():
         optimizer.load_state_dict(resumed["optimizer"])
         scaler.load_state_dict(resumed["scaler"])
         step, first_epoch, best, history = resumed["step"], resumed["epoch"], resumed["best_accuracy"], resumed["history"]
-        log.loss_history = [tuple(pair) for pair in resumed["loss_history"]]
+        loss_history = [tuple(pair) for pair in resumed["loss_history"]]
 
     def wrap(frozen: bool):
         """DDP over the parameters that train now. DDP decides at construction which parameters it all-reduces,
@@ -224,7 +343,10 @@ def main():
             print(f"backbone frozen for epoch(s) {first_epoch}-{args.freeze_epochs - 1}: only the new head trains",
                   flush=True)
 
-    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    # Steady-state speed: the first --warmup-steps steps of this run (allocation, caches) are not timed, nor is
+    # evaluation; a GPU runs ahead of Python, so each step ends with a synchronize.
+    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
+    durations, timed_samples, steps_run = [], 0, 0
     running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
     elapsed = history[-1]["elapsed_s"] if history else 0.0  # training + evaluation time, for time-to-accuracy
     shown = False
@@ -239,8 +361,9 @@ def main():
         steps = min(steps_per_epoch, args.max_steps - step) if args.max_steps else steps_per_epoch
         batches = iter(train_loader)
         epoch_start, epoch_loss = time.perf_counter(), torch.zeros(2, device=device)
-        samples_before, seconds_before = timer.samples, sum(timer.durations)
-        timer.start()
+        samples_before, seconds_before = timed_samples, sum(durations)
+        sync()
+        last = time.perf_counter()
         for _ in tqdm(range(steps), f"epoch {epoch}", mininterval=3, ncols=90, disable=rank != 0):
             lr = lr_at(step, peak_lr, warmup, total_steps)
             for group in optimizer.param_groups:
@@ -248,8 +371,8 @@ def main():
             for k in range(accum):
                 images, labels = next(batches)
                 images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-                if not shown and log.writer and args.show_images:  # what the model sees: augmented images
-                    log.writer.add_images("train/augmented", denormalize(images[: args.show_images]), step)
+                if not shown and writer and args.show_images:  # what the model sees: augmented images
+                    writer.add_images("train/augmented", denormalize(images[: args.show_images]), step)
                     shown = True
                 # no_sync: the non-final micro-steps only add into .grad; the last one all-reduces the sum
                 with ddp.no_sync() if k < accum - 1 else nullcontext():
@@ -264,15 +387,24 @@ def main():
             step += 1
             running[1] += 1
             epoch_loss[1] += 1
-            log.scalar("train/lr", lr, step)  # the rate this step used (not the next one's)
+            if writer:
+                writer.add_scalar("train/lr", lr, step)  # the rate this step used (not the next one's)
             if step % args.log_every == 0:
                 dist.all_reduce(running)  # the global mean loss, not rank 0's
-                log.scalar("train/loss", (running[0] / running[1]).item(), step)
+                loss_history.append((step, (running[0] / running[1]).item()))
+                if writer:
+                    writer.add_scalar("train/loss", loss_history[-1][1], step)
                 running.zero_()
-            timer.tick(accum * micro)
+            sync()
+            now = time.perf_counter()
+            steps_run += 1
+            if steps_run > args.warmup_steps:
+                durations.append(now - last)
+                timed_samples += accum * micro
+            last = now
 
-        last = epoch == args.epochs - 1 or (args.max_steps and step >= args.max_steps)
-        keep = args.show_images if last and log.writer else 0
+        final = epoch == args.epochs - 1 or (args.max_steps and step >= args.max_steps)
+        keep = args.show_images if final and writer else 0
         confusion, val_loss, wrong = evaluate(ddp.module, val_loader, device, num_classes, dtype, keep)
         dist.all_reduce(confusion)  # exact global counts: each rank evaluated its own images
         dist.all_reduce(val_loss)
@@ -281,40 +413,49 @@ def main():
         correct, total = confusion.trace().item(), confusion.sum().item()
         accuracy = correct / total
         per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()
-        rate = (timer.samples - samples_before) / max(1e-9, sum(timer.durations) - seconds_before) * world_size
+        rate = (timed_samples - samples_before) / max(1e-9, sum(durations) - seconds_before) * world_size
         history.append({"epoch": epoch, "step": step, "lr_last": lr, "train_loss": (epoch_loss[0] / epoch_loss[1]).item(),
                         "val_loss": val_loss.item() / total, "val_accuracy": accuracy, "elapsed_s": round(elapsed, 2),
-                        "samples_per_s": rate if timer.samples > samples_before else None})
-        log.scalar("val/accuracy", accuracy, step)
-        log.scalar("val/loss", val_loss.item() / total, step)
-        for name, value in zip(classes, per_class):
-            log.scalar(f"val_class/{name}", value, step)
-        if log.writer and last:
-            log.writer.add_figure("val/confusion_matrix", confusion_figure(confusion.cpu(), classes), step)
+                        "samples_per_s": rate if timed_samples > samples_before else None})
+        if writer:
+            writer.add_scalar("val/accuracy", accuracy, step)
+            writer.add_scalar("val/loss", val_loss.item() / total, step)
+            for name, value in zip(classes, per_class):
+                writer.add_scalar(f"val_class/{name}", value, step)
+        plt = pyplot() if writer and final else None
+        if plt:
+            writer.add_figure("val/confusion_matrix", confusion_figure(confusion.cpu(), classes, plt), step)
             if wrong:
-                log.writer.add_figure("val/misclassified_rank0", misclassified_figure(wrong, classes), step)
+                writer.add_figure("val/misclassified_rank0", misclassified_figure(wrong, classes, plt), step)
         if rank == 0:  # one writer; checkpoints hold the unwrapped model (no "module." prefix), atomically saved
             print(f"epoch {epoch}: step {step}, lr {lr:.3g}, train loss {history[-1]['train_loss']:.3f}, "
                   f"val accuracy {accuracy:.3f} ({correct}/{total}), {elapsed:.0f} s", flush=True)
             config = {"model": args.model, "image_size": args.image_size, "classes": classes}
             if accuracy > best:
                 best = accuracy
-                save_checkpoint({"model": model.state_dict(), "config": config, "epoch": epoch,
+                save_atomically({"model": model.state_dict(), "config": config, "epoch": epoch,
                                  "val_accuracy": accuracy}, best_path)
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "config": config, "epoch": epoch + 1, "step": step,
-                             "best_accuracy": best, "history": history, "loss_history": log.loss_history}, last_path)
-            log.flush()
+                             "best_accuracy": best, "history": history, "loss_history": loss_history}, last_path)
+            writer.flush()  # the events so far are on disk with the checkpoint: a crash loses none of them
         best = max(best, accuracy)  # every rank: the same value rank 0 saved
 
-    metrics = log.finish(**timer.summary(world_size), steps=step, epochs_done=len(history), global_batch=args.global_batch,
-                         micro_batch=micro, accumulation_steps=accum, peak_lr=peak_lr, amp=str(dtype or "off"),
-                         sync_bn=sync_bn, pretrained=str(args.pretrained or ""), freeze_epochs=args.freeze_epochs,
-                         val_accuracy=history[-1]["val_accuracy"], best_accuracy=best,
-                         per_class_accuracy=dict(zip(classes, per_class)), confusion=confusion.tolist(),
-                         history=history, checkpoint=str(best_path))
+    rate = timed_samples * world_size / sum(durations) if durations else None  # summed over the ranks
+    metrics = {"script": NAME, "world_size": world_size, "backend": backend, "device": str(device),
+               "model": args.model, "image_size": args.image_size, "classes": classes,
+               "samples_per_s": rate, "timed_steps": len(durations), "warmup_steps": min(args.warmup_steps, steps_run),
+               "step_time_median_s": statistics.median(durations) if durations else None,
+               "steps": step, "epochs_done": len(history), "global_batch": args.global_batch, "micro_batch": micro,
+               "accumulation_steps": accum, "peak_lr": peak_lr, "amp": str(dtype or "off"), "sync_bn": sync_bn,
+               "pretrained": str(args.pretrained or ""), "freeze_epochs": args.freeze_epochs,
+               "val_accuracy": history[-1]["val_accuracy"], "best_accuracy": best,
+               "per_class_accuracy": dict(zip(classes, per_class)), "confusion": confusion.tolist(),
+               "history": history, "checkpoint": str(best_path), "wall_time_s": round(time.time() - start, 3),
+               "train_loss_history": loss_history}
     if rank == 0:
-        rate = metrics["samples_per_s"]
+        writer.close()
+        save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
         print(f"done: {f'{rate:.0f} samples/s' if rate else 'no step timed'}, val accuracy "
               f"{metrics['val_accuracy']:.3f}, best {best:.3f} -> {best_path}", flush=True)
     dist.destroy_process_group()

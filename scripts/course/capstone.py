@@ -1,9 +1,8 @@
-"""Helpers of notebook 07 (the capstone) that are not its lesson: checking an image folder before training,
-figures and image grids for TensorBoard, reading them back from event files, and the results table.
+"""Helpers of notebook 07 (the capstone) that are not its lesson: loading weights a learner names (predict.py),
+reading image summaries back from event files, and the results table. (The image check and denormalize live
+in course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
 
-    from course.capstone import check_images, confusion_figure, denormalize
-    check_images(train_set)                  # DatasetError naming the first unreadable file, before training
-    writer.add_figure("val/confusion", confusion_figure(matrix, classes), step)
+    load_weights("weights/train_flowers/best.pt", model)   # CourseError naming the file if it does not fit
     images = read_images("runs/07_capstone_flowers/np2")   # {tag: [(step, HxWx3 uint8 array), ...]}
 """
 
@@ -15,21 +14,12 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from torchvision import models
 
 from course import in_repo
 from course.checkpoint import read_checkpoint
-from course.data import IMAGENET_MEAN, IMAGENET_STD, DatasetError
+from course.data import check_images, denormalize  # noqa: F401 (their home is course.data; kept importable here)
 from course.errors import CourseError
-
-RESNETS = {"resnet18": models.resnet18, "resnet34": models.resnet34}  # random init: nothing is downloaded
-
-
-def resnet(name: str, num_classes: int) -> nn.Module:
-    """A torchvision ResNet with a ``num_classes`` head (the capstone's --model)."""
-    model = RESNETS[name](num_classes=num_classes)
-    model.course_name = name  # for error messages: "does not fit a resnet18"
-    return model
+from course.models import RESNETS, resnet  # noqa: F401 (their home is course.models)
 
 
 def load_weights(path, model: nn.Module, device="cpu", skip: tuple[str, ...] = (), state=None) -> dict:
@@ -57,55 +47,6 @@ def load_weights(path, model: nn.Module, device="cpu", skip: tuple[str, ...] = (
                           f"{shape(weights)} in the file, {shape(mine)} in the model): another architecture?")
     model.load_state_dict(weights, strict=not skip)
     return state if isinstance(state, dict) and "model" in state else {"model": state}
-
-
-def check_images(dataset) -> int:
-    """Decode every image of an ImageFolder-based dataset (or a view of one) once, cheaply, before training:
-    a DatasetError names the first file that cannot be read. Returns the number of files checked.
-
-    JPEG draft mode decodes at 1/8 scale, which still reads every byte: a truncated file fails here
-    (about 4000 small images/s on one core), not in the middle of an epoch on one rank.
-    """
-    while not hasattr(dataset, "samples") and hasattr(dataset, "base"):  # course.data's train/val views
-        dataset = dataset.base
-    for path, _ in dataset.samples:
-        try:
-            with Image.open(path) as image:
-                image.draft("RGB", (16, 16))
-                image.load()
-        except (OSError, ValueError, SyntaxError) as error:  # PIL's ways of saying "not a readable image"
-            raise DatasetError(f"unreadable image: {path} ({error}); delete or replace it") from None
-    return len(dataset.samples)
-
-
-def denormalize(images: torch.Tensor) -> torch.Tensor:
-    """Normalized [N,3,H,W] images back to [0,1] for display (TensorBoard's add_images, matplotlib)."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
-    return (images.float() * std + mean).clamp(0, 1)
-
-
-def confusion_figure(matrix, classes, title: str = "validation confusion matrix"):
-    """A matplotlib figure of a confusion matrix (rows: true class, columns: predicted), counts in cells."""
-    import matplotlib
-
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")  # a training process has no display
-    import matplotlib.pyplot as plt
-
-    matrix = np.asarray(matrix)
-    fig, ax = plt.subplots(figsize=(4.6, 4))
-    ax.imshow(matrix, cmap="Blues")
-    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-    ax.set_yticks(range(len(classes)), classes)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title(title)
-    high = matrix.max() / 2 if matrix.size else 0
-    for (i, j), count in np.ndenumerate(matrix):
-        ax.text(j, i, str(count), ha="center", va="center", fontsize=8, color="white" if count > high else "#222")
-    fig.tight_layout()
-    return fig
 
 
 def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFilter
 
-from course.data import DATA_DIR, DATASETS, FLOWER_CLASSES, MARKER
+from course.data import DATA_DIR, DATASETS, FLOWER_CLASSES, GENERATING, MARKER
 
 JPEG_QUALITY = 90
 
@@ -196,6 +196,18 @@ def make_flower_image(name: str, rng: np.random.Generator) -> Image.Image:
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
+def _begin(root: Path) -> None:
+    """Mark ``root`` as being generated: course.data refuses it until _end (wherever it is, --data-dir too)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).unlink(missing_ok=True)
+    (root / GENERATING).touch()
+
+
+def _end(root: Path) -> None:
+    (root / MARKER).touch()
+    (root / GENERATING).unlink(missing_ok=True)
+
+
 def generate_flowers(root: Path, n_images: int = 3670, seed: int = 0) -> None:
     """Write n_images JPEGs as root/<class>/<class>_<i:05d>.jpg (the flower_photos layout).
 
@@ -203,6 +215,7 @@ def generate_flowers(root: Path, n_images: int = 3670, seed: int = 0) -> None:
     on every run and platform (given the same Pillow/libjpeg), and any subset can be redrawn alone.
     """
     root = Path(root)
+    _begin(root)
     index = 0
     for name, count in flower_class_counts(n_images).items():
         (root / name).mkdir(parents=True, exist_ok=True)
@@ -210,7 +223,7 @@ def generate_flowers(root: Path, n_images: int = 3670, seed: int = 0) -> None:
             image = make_flower_image(name, np.random.default_rng([seed, index]))
             image.save(root / name / f"{name}_{i:05d}.jpg", quality=JPEG_QUALITY)
             index += 1
-    (root / MARKER).touch()
+    _end(root)
 
 
 # ------------------------------------------------------------------------------- mnist: generation
@@ -315,10 +328,10 @@ def generate_mnist(root: Path, n_train: int = 60000, n_val: int = 10000, seed: i
     gen = torch.Generator().manual_seed(seed)
     train_images, train_labels = _sample_digits(train_glyphs, n_train, gen)
     val_images, val_labels = _sample_digits(val_glyphs, n_val, gen)
-    root.mkdir(parents=True, exist_ok=True)
+    _begin(root)
     np.savez(root / "mnist.npz", train_images=train_images.numpy(), train_labels=train_labels.numpy(),
              val_images=val_images.numpy(), val_labels=val_labels.numpy())
-    (root / MARKER).touch()
+    _end(root)
 
 
 # ------------------------------------------------------------------------------------------ setup

@@ -4,8 +4,9 @@
         train_set, val_set, n = build_datasets(...)
         check_writable(args.checkpoint)
 
-Inside the block a CourseError (a missing dataset, a busy run directory, a path that cannot be
-written) makes rank 0 print ``error: <message>`` and every rank exit with status 2; the other ranks
+Inside the block a CourseError (a busy run directory, a path that cannot be written) or a
+course.data.DatasetError (a missing dataset; course.data imports nothing of the course, so it is not a
+CourseError) makes rank 0 print ``error: <message>`` and every rank exit with status 2; the other ranks
 exit quietly, so the message appears once.
 
 ``@record`` is torch's ``@record`` (a failing rank's traceback reaches torchrun's report) with one fix:
@@ -29,10 +30,18 @@ class CourseError(Exception):
 def reported_once(rank: int = 0):
     try:
         yield
-    except CourseError as error:
+    except Exception as error:
+        if not isinstance(error, (CourseError, *_dataset_errors())):
+            raise
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CODE) from None
+
+
+def _dataset_errors() -> tuple[type, ...]:
+    """course.data's DatasetError, if course.data is loaded (if it is not, nothing can have raised one)."""
+    data = sys.modules.get("course.data")
+    return (data.DatasetError,) if data is not None else ()
 
 
 def record(main):

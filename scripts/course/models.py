@@ -1,7 +1,13 @@
-"""The course's models: the source document's MLP, a small CNN, and ResNet-18 for 64 px flowers."""
+"""The course's models: the source document's MLP, a small CNN, and the ResNets of the capstone.
+
+Imports torch and torchvision only (nothing else of the course): a learner copies it beside a training script.
+"""
 
 from torch import nn
+from torchvision import models
 from torchvision.models import resnet18
+
+RESNETS = {"resnet18": models.resnet18, "resnet34": models.resnet34}  # random init: nothing is downloaded
 
 
 def mlp(num_classes: int = 10, in_features: int = 784, hidden: int = 128) -> nn.Module:
@@ -31,3 +37,18 @@ def build_model(name: str, num_classes: int, in_channels: int = 3) -> nn.Module:
 
 
 DEFAULT_MODEL = {"mnist": "mlp", "flowers": "cnn"}
+
+
+def resnet(name: str, num_classes: int) -> nn.Module:
+    """A torchvision ResNet with a ``num_classes`` head (the capstone's --model)."""
+    model = RESNETS[name](num_classes=num_classes)
+    model.course_name = name  # for error messages: "does not fit a resnet18"
+    return model
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The units to shard one at a time in the course's models: ResNet's residual blocks; otherwise the
+    top-level children that hold parameters (the MLP's two Linear layers, the CNN's conv blocks and head)."""
+    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
+        return [block for i in range(1, 5) for block in getattr(model, f"layer{i}")]
+    return [child for child in model.children() if any(True for _ in child.parameters())]

@@ -17,9 +17,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from course import models
+
+blocks = models.blocks  # the units FSDP shards; its home is course.models (train_fsdp.py imports it there)
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2-like", "FSDP2")
 PARTS = ("parameters", "gradients", "optimizer", "working copies")
@@ -130,9 +133,3 @@ class CollectiveCounter(TorchDispatchMode):
         return dict(out)
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The units to shard one at a time in the course's models: ResNet's residual blocks; otherwise the
-    top-level children that hold parameters (the MLP's two Linear layers, the CNN's conv blocks and head)."""
-    if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
-        return [block for i in range(1, 5) for block in getattr(model, f"layer{i}")]
-    return [child for child in model.children() if any(True for _ in child.parameters())]
