@@ -26,10 +26,8 @@ import ipywidgets as widgets
 
 from course import ROOT, SCRIPTS
 from course.launcher import LaunchError, launch, plan, resolve_script
+from course.launcher.torchrun_output import split_chunk
 
-# torchrun tags every line "[rankN]:" (the launcher has already cut apart lines torchrun glued together);
-# torch's own errors add a second tag ("[rank1]:[rank1]: ..."), and a chunk may hold "\r" redraws.
-TAG = re.compile(r"\[(rank\d+)\]:")
 # tqdm's default format: "epoch 1:  40%|████      | 20/50 [00:03<00:05, 6.1it/s]"
 PROGRESS = re.compile(r"^\s*(?:(?P<desc>[^|]*?):\s*)?(?:\d+%\|[^|]*\|\s*)?(?P<n>\d+)/(?P<total>\d+)\s*\[")
 MAX_LINES = 400  # the log keeps the newest lines; the full output is in the run's result
@@ -250,7 +248,7 @@ class LauncherPanel(widgets.VBox):
     def _feed(self, chunk: str):
         """on_line callback: split into rank-tagged lines, collapse tqdm redraws, note rank 0 progress."""
         with self._lock:
-            for tag, text in _split(chunk):
+            for tag, text in split_chunk(chunk):
                 match = PROGRESS.search(text)
                 key = (tag, match["desc"]) if match else None
                 if key in self._bar_rows:
@@ -292,13 +290,6 @@ class LauncherPanel(widgets.VBox):
         self.stop_event.set()
         if self.thread is not None:
             self.thread.join(wait)
-
-
-def _split(chunk: str) -> list[tuple[str, str]]:
-    pieces = TAG.split(chunk)  # [untagged, tag, text, tag, text, ...]
-    tagged = [("", pieces[0]), *zip(pieces[1::2], pieces[2::2])]
-    return [(tag, part.rstrip()) for tag, text in tagged
-            for part in text.replace("\r", "\n").split("\n") if part.strip()]
 
 
 def _render(lines) -> str:
