@@ -1,5 +1,5 @@
 # Written by notebooks/09_build_it_yourself.ipynb - edit it there; running the notebook rewrites this file.
-# ruff: noqa: F401, F841, PIE790 - a stub: some imports and names are used once you fill it in
+# ruff: noqa: F401, F841, PIE790, RUF059 - a stub: some imports and names are used once you fill it in
 """Exercise 1: classify noisy waveforms with a small 1-D CNN, with DistributedDataParallel.
 
     torchrun --standalone --nproc-per-node=2 scripts/ex1_convert.py --batch-size 16
@@ -7,7 +7,7 @@
 --batch-size is per process: 2 processes x 16 = the global batch 32 of ex1_single.py.
 Writes <out>/log.jsonl (the loss of every step, then the validation counts) and <out>/model.pt, from one
 process.
-Fill in each `...  # TODO` and follow each other `# TODO`: they mark every line the conversion touches.
+Replace each `...` marked `# TODO`: they are every line the conversion touches (notebook 03's five steps).
 """
 import argparse
 import json
@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from course.exercise_tasks import WaveNet, wave_datasets
-from course.hardware import backend_for, pick_device
 
 
 def parse_args():
@@ -50,16 +49,14 @@ def evaluate(model, loader, device):
 def main():
     args = parse_args()
     rank, local_rank, world_size = ..., ..., ...  # TODO step 1: read them from torchrun's environment
-    device = pick_device()  # TODO step 2: this process's own device (pick_device takes the local rank)
-    ...  # TODO step 1: join the process group; pass timeout=timedelta(seconds=args.timeout)
+    device = ...  # TODO step 2: its accelerator number local_rank if each process has one, else the CPU
+    ...  # TODO step 1: join the group: that device's backend, timeout=timedelta(seconds=args.timeout)
     torch.manual_seed(args.seed)  # the same initial weights on every run
     train_set, val_set = wave_datasets()
-    order = torch.Generator()  # reseeded each epoch: a new order every epoch, the same on every run
-    train_loader = DataLoader(train_set, args.batch_size,
-                              sampler=RandomSampler(train_set, generator=order))  # TODO step 4
-    val_loader = DataLoader(val_set, 100)  # TODO step 4: each rank its own part, no sample twice
+    train_loader = ...  # TODO step 4: batches of args.batch_size, this rank's part of the seed + epoch order
+    val_loader = ...  # TODO step 4: batches of 100 from this rank's own part of val_set, no sample twice
 
-    model = WaveNet().to(device)  # TODO step 3
+    model = ...  # TODO step 3: a WaveNet on the device, wrapped
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     out = Path(args.out)
@@ -68,25 +65,26 @@ def main():
     history = []  # what the log will hold: one record per step, then the validation counts
     step = 0
     for epoch in range(args.epochs):
-        order.manual_seed(args.seed + epoch)  # TODO step 4
+        ...  # TODO step 4: this epoch's order (seed + epoch), the same on every rank
         for x, y in train_loader:
             x, y = x.to(device), y.to(device)
             loss = criterion(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            history.append({"step": step, "epoch": epoch, "loss": loss.item()})  # TODO step 5: global loss
+            global_loss = ...  # TODO step 5: the loss of the global batch (a float), not this rank's half
+            history.append({"step": step, "epoch": epoch, "loss": global_loss})
             step += 1
-    correct, total = evaluate(model, val_loader, device).tolist()  # TODO step 5: all ranks' counts
+    correct, total = ...  # TODO step 5: evaluate(model, val_loader, device), every rank's counts added up
     history.append({"val_correct": correct, "val_total": total})
 
-    # TODO step 5: one process writes the log and the checkpoint
-    with open(out / "log.jsonl", "w") as log:
-        log.writelines(json.dumps(record) + "\n" for record in history)
-    torch.save(model.state_dict(), out / "model.pt")  # TODO step 5: which model's state_dict?
-    print(f"{step} steps, last loss {history[-2]['loss']:.4f}, val accuracy {correct / total:.3f} "
-          f"({correct}/{total}); saved {out / 'model.pt'}")
-    # TODO step 1: leave the process group
+    if ...:  # TODO step 5: one process writes the log and the checkpoint
+        with open(out / "log.jsonl", "w") as log:
+            log.writelines(json.dumps(record) + "\n" for record in history)
+        torch.save(..., out / "model.pt")  # TODO step 5: the state_dict of the model inside the wrapper
+        print(f"{step} steps, last loss {history[-2]['loss']:.4f}, val accuracy {correct / total:.3f} "
+              f"({correct}/{total}); saved {out / 'model.pt'}")
+    ...  # TODO step 1: leave the process group
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from course.exercise_tasks import WaveNet, wave_datasets
-from course.hardware import backend_for, pick_device
 
 
 def parse_args():
@@ -49,10 +48,17 @@ def main():
     args = parse_args()
     # DDP step 1: torchrun gives every process its rank, its local rank (on this machine) and the world size.
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = pick_device(local_rank)  # DDP step 2: one device per process, before anything touches a GPU
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))  # DDP step 1
+    # DDP step 2: one device per process, chosen before anything touches it: the accelerator's device
+    # local_rank when there is one per process here and its backend can carry it (MPS: no), else the CPU.
+    accelerator = torch.accelerator.current_accelerator()  # cuda, xpu, mps, ... or None
+    backend = dist.get_default_backend_for_device(accelerator) if accelerator else "gloo"
+    if accelerator and accelerator.type in dist.Backend.backend_capability.get(backend, ()) \
+            and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device(accelerator.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))  # DDP step 1: join the others
     torch.manual_seed(args.seed)  # the same initial weights on every run
     train_set, val_set = wave_datasets()
     # DDP step 4: each rank reads every world_size-th index of the same seeded permutation, so that the
@@ -77,9 +83,10 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)  # DDP step 5: log the loss of the global batch, not rank 0's half
-            history.append({"step": step, "epoch": epoch, "loss": global_loss.item() / world_size})
+            summed = loss.detach().clone()
+            dist.all_reduce(summed)  # DDP step 5: log the loss of the global batch, not this rank's half
+            global_loss = summed.item() / world_size
+            history.append({"step": step, "epoch": epoch, "loss": global_loss})
             step += 1
     counts = evaluate(model, val_loader, device)
     dist.all_reduce(counts)  # DDP step 5: every rank counted its own part; the sum counts each sample once

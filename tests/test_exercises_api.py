@@ -1,0 +1,100 @@
+"""The checker's API without launching anything: every stub is reported unsolved with as many gaps as lines
+marked TODO, a syntax error names its line, hints escalate and never start with the answer, the progress
+table keeps whole results, and stubs and solutions differ only where the stub is marked."""
+
+import io
+import tokenize
+from contextlib import redirect_stdout
+
+import pytest
+from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
+
+from course import SCRIPTS, exercises
+from course.exercises import EXERCISES, hint, progress, progress_rows
+from course.exercises.hints import COMMON_HINTS
+from course.scriptdiff import script_diff
+
+STUBS = ["1", "2", "3", "4", "5"]
+
+
+def todo_lines(text: str) -> list[int]:
+    return sorted({tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                   if tok.type == tokenize.COMMENT and tok.string.lstrip("# ").startswith("TODO")})
+
+
+@pytest.mark.parametrize("key", STUBS)
+def test_committed_stub_is_not_solved_and_counts_every_todo_line(key, run_check):
+    stub = SCRIPTS / EXERCISES[key].script
+    result = run_check(key, path=stub)
+    assert (result.status, result.diagnosis) == ("not solved", "gaps")
+    todos = todo_lines(stub.read_text())
+    assert result.symptom.startswith(f"{len(todos)} gap"), result.symptom
+    assert [int(line.split()[1]) for line in result.symptom.splitlines()[1:]] == todos
+    assert "Replace each `...`" in result.hint
+    assert result.seconds < 5, "a stub must be reported without running anything (a launch takes longer)"
+
+
+def test_stubs_leave_the_device_lines_to_the_learner():
+    text = (SCRIPTS / EXERCISES["1"].script).read_text()
+    assert "pick_device" not in text and "backend_for" not in text and "init_process_group" not in text
+    assert "device = ...  # TODO" in text
+
+
+@pytest.mark.parametrize("key", STUBS)
+def test_stub_and_solution_differ_only_at_the_todo_lines(key):
+    diff = script_diff(SCRIPTS / EXERCISES[key].script, EXERCISES[key].solution, marker=r"# TODO", context=0)
+    assert diff.unmarked == [], "changed lines without a # TODO in the stub:\n" + "\n".join(diff.unmarked)
+
+
+@pytest.mark.parametrize("key", ["6a", "6b", "6c"])
+def test_debugging_lab_solution_changes_only_the_marked_fix(key):
+    diff = script_diff(SCRIPTS / EXERCISES[key].script, EXERCISES[key].solution, marker=r"The fix", context=0)
+    assert diff.hunks and any("The fix" in h for h in diff.hunks)
+    for hunk in diff.unmarked:  # apart from the marked fix, only the buggy line itself may go
+        changed = [line for line in hunk.splitlines()[1:] if line[:1] in "+-"]
+        assert all(line.startswith("-") for line in changed) and len(changed) <= 2, hunk
+
+
+def test_syntax_error_is_reported_with_its_line(run_check):
+    text = mutate("2", ("def average_gradients(model, world_size):", "def average_gradients(model, world_size)"))
+    line = text.splitlines().index("def average_gradients(model, world_size)") + 1
+    result = run_check("2", text)
+    assert (result.status, result.diagnosis) == ("error", "syntax")
+    assert f"SyntaxError in ex2_by_hand.py, line {line}" in result.symptom
+
+
+def test_hints_escalate_and_never_start_with_the_answer(run_check):
+    text = mutate("3", ("g.manual_seed(self.seed + self.epoch)", "g.manual_seed(self.seed)"))
+    levels = [run_check("3", text).hint_level for _ in range(2)]
+    assert levels == [1, 2]
+    shown = hint("3", results_file=run_check.results)
+    assert "Hint 3/3" in shown and "solution('3')" in shown
+    first = EXERCISES["3"].hints_for("same-every-epoch")[0]
+    assert "self.epoch" not in first, "the first hint must describe the symptom, not the fix"
+    rows = {r["exercise"]: r for r in progress_rows(run_check.results)}
+    assert rows["3"]["status"] == "fail" and rows["3"]["checks"] == 2 and rows["1"]["status"] == "not tried"
+
+
+def test_progress_keeps_every_result_whole(run_check):
+    result = run_check("1", path=SCRIPTS / EXERCISES["1"].script)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        progress(run_check.results)
+    text = out.getvalue()
+    assert all(len(line) <= 110 for line in text.splitlines()), text
+    first_line = result.symptom.splitlines()[0]
+    assert " ".join(text.split()).count(" ".join(first_line.split())) == 1, "the last result must be shown whole"
+
+
+def test_report_is_given_its_exercise(run_check):
+    result = run_check("3", mutate("3", ("g.manual_seed(self.seed + self.epoch)", "g.manual_seed(self.seed)")))
+    report = result.report(EXERCISES["3"])
+    assert report.startswith("Exercise 3 · A DistributedSampler by hand") and "Hint 1/3" in report
+
+
+def test_every_exercise_has_hints_for_its_own_diagnoses():
+    assert set(exercises.MODULES) and len(EXERCISES) == 8
+    for ex in EXERCISES.values():
+        assert ex.solution.exists() and (SCRIPTS / ex.script).exists()
+        for diagnosis, hints in {**COMMON_HINTS, **ex.hints}.items():
+            assert hints and all(isinstance(h, str) and h for h in hints), (ex.key, diagnosis)
