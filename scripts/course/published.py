@@ -1,0 +1,33 @@
+"""Published GPU results, for the cells that skip on a CPU: one home for every figure the course did not measure.
+
+    from course.published import show
+    show("zero_model_states")   # prints the result, labelled "published, not measured here", with its source
+
+Each entry is a result as its source states it, with the citation; a number goes in only after it was checked
+against that source. Add an entry here rather than writing a published figure into a notebook cell.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Published(NamedTuple):
+    result: str  # what the source reports, in one or two sentences
+    source: str  # authors, title, venue, year, and where in it
+
+
+PUBLISHED: dict[str, Published] = {
+    "zero_model_states": Published(
+        "a GPT-2-like model of 1.5 billion parameters trained with Adam in mixed precision needs at least 24 GB "
+        "for its model states alone (16 bytes per parameter); with sequence length 1K and batch size 32 its "
+        "activations need about 60 GB more, about 8 GB with activation checkpointing",
+        "Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, SC 2020 "
+        "(arXiv:1910.02054), section 3"),
+}
+
+
+def show(key: str) -> None:
+    """Print one published result, labelled as such, with its source."""
+    entry = PUBLISHED[key]
+    print(f"published, not measured here: {entry.result} ({entry.source})")
