@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--run-dir", type=repo_path, default="runs/00_environment/default")
     parser.add_argument("--max-mib", type=nonnegative_int, default=16,
                         help="largest all_reduce message, in MiB (0: no timing, only the hello and the sum)")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of all_reduce vs local copy")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of all_reduce vs local copy")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])  # global: unique across every machine in the job

@@ -102,3 +102,16 @@ def test_ring_all_reduce_simulation_gives_the_sum_on_every_rank(ranks, length):
     assert torch.equal(torch.cat(phases[0]["chunks"][0]), tensors[0])  # the inputs are not modified
     if length % ranks == 0:
         assert ring.elements_sent(phases) == [2 * (ranks - 1) * length // ranks] * ranks
+
+
+def test_ring_view_highlights_what_each_rank_just_received():
+    from course.ring_view import phase_html, phase_lines
+
+    ring = course.import_script("ring_allreduce")
+    phases = ring.simulate_ring_all_reduce([ring.rank_tensor(r, 3) for r in range(3)])
+    first_step = phase_html(phases, 1, ring.elements_sent(phases[:2]))
+    assert first_step.count("+= from rank") == 3 and "phase 1 of 4: reduce-scatter 1/2" in first_step
+    last = phase_html(phases, 4, ring.elements_sent(phases))
+    assert last.count("= from rank") == 3 and "+=" not in last
+    lines = phase_lines(phases)
+    assert len(lines) == 5 and lines[-1].count("6|12|18") == 3  # every rank ends with the sum

@@ -49,3 +49,17 @@ def test_scripts_use_no_deprecated_or_wrong_api():
         for pattern, why in rules.items():
             assert not re.search(pattern, text), f"{path.name}: {why}"
     assert checked >= 5
+
+
+def test_machine_report_says_what_each_backend_can_do_here():
+    from course.machine_report import report_lines
+
+    cpu = dict(report_lines({"torch": "2.14.1", "cpu_cores": 2, "accelerator": None, "accelerator_count": 0,
+                             "device_names": [], "gloo": True, "nccl_built": True, "nccl_usable": False,
+                             "2 ranks use": "gloo on cpu"}))
+    assert cpu["accelerator"].startswith("none") and cpu["nccl"].endswith("usable only with GPUs (none here)")
+    assert cpu["gloo"].startswith("available") and cpu["2 ranks use"] == "gloo on cpu"  # other fields kept
+    gpus = dict(report_lines({"accelerator": "cuda", "accelerator_count": 2, "device_names": ["H100", "H100"],
+                              "gloo": True, "nccl_built": True, "nccl_usable": True}))
+    assert gpus["accelerator"] == "cuda × 2 (H100, H100)" and gpus["nccl"] == "available, and usable here: 2 GPU(s)"
+    assert dict(report_lines({"nccl_built": False}))["nccl"] == "not in this build of PyTorch"

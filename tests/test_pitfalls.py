@@ -1,5 +1,5 @@
-"""Notebook 04's pitfall scripts: each bug shows its symptom, each fix runs, within timeouts, and no
-process is left behind. Real torchrun jobs with gloo on the CPU (hangs are cut by a 5 s process-group timeout)."""
+"""Notebooks 04 and 04b: each pitfall script's bug shows its symptom, each fix runs, within timeouts, and no
+process is left behind; the notebooks' helpers (course.pitfall_jobs, course.spawn_capture) do what they say. Real torchrun jobs with gloo on the CPU (hangs are cut by a 5 s process-group timeout)."""
 
 import contextlib
 import re
@@ -15,8 +15,10 @@ from course import ROOT, SCRIPTS
 from course.checkpoint import load_checkpoint
 from course.data import build_datasets
 from course.launcher import free_port, launch, run_commands, torchrun_command
-from course.measure import Comparison, Measurement
+from course.measure import Comparison
 from course.models import build_model
+from course.pitfall_jobs import comparison_from, must_fail, symptom
+from course.spawn_capture import output_of_children, spawn_bounded
 
 HANG_S = 5  # process-group timeout for the runs that hang
 QUIET = {"backend": "gloo", "quiet": True, "on_line": lambda _: None}  # CPU, even on a GPU box
@@ -33,8 +35,7 @@ def no_leftovers(wait_no_processes):
 
 
 def comparison(metrics) -> Comparison:
-    saved = metrics["comparison"]
-    return Comparison({n: Measurement(n, v) for n, v in saved["values"].items()}, saved["unit"])
+    return comparison_from(metrics["comparison"])
 
 
 def test_device_check_and_tensors_left_on_another_device(no_leftovers):
@@ -254,3 +255,45 @@ def test_check_yourself_exercise_fails_as_committed_and_passes_once_fixed(no_lef
         result = launch(script, nproc=2, args=["--checkpoint", checkpoint], run_dir=tmp_path / script.stem,
                         timeout=300, **QUIET)
         assert exercise_passes(result, checkpoint) is passes, script.name
+
+
+def test_symptom_keeps_each_line_once_and_drops_the_copies_torchrun_repeats(capsys):
+    output = "[rank0]: boom here\n[rank1]: boom here\nboom here\n[rank0]: boom here\nnothing\n" + "x boom\n" * 12
+    found = symptom(output, "boom", limit=3)
+    assert found[:2] == ["[rank0]: boom here", "[rank1]: boom here"]  # the untagged repeat and the duplicate: gone
+    assert "boom here" not in found and len(found) == 3  # "x boom" once
+    printed = capsys.readouterr().out
+    assert printed.startswith("SYMPTOM:") and "nothing" not in printed
+
+
+def test_must_fail_refuses_a_job_that_succeeds(no_leftovers):
+    no_leftovers("pitfall_rendezvous.py")
+    with pytest.raises(AssertionError, match="was expected to fail"):
+        must_fail("pitfall_rendezvous.py", nproc=1, backend="gloo")
+
+
+def _print_rank(rank):
+    print(f"child {rank} says hello", flush=True)
+
+
+def _sleep_forever(rank):
+    time.sleep(600)
+
+
+def test_spawn_capture_catches_the_childrens_output_and_ends_them_in_time():
+    with output_of_children() as children:
+        codes = spawn_bounded(_print_rank, nprocs=2, timeout=60)
+    assert codes == [0, 0]
+    assert children[0].count("says hello") == 2
+    started = time.monotonic()
+    with pytest.raises(TimeoutError), output_of_children():
+        spawn_bounded(_sleep_forever, nprocs=1, timeout=3)
+    assert time.monotonic() - started < 60
+    assert spawned_children() == []
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("pitfall_*.py")))
+def test_each_pitfall_script_names_the_notebook_that_writes_it(script):
+    first = (SCRIPTS / script).read_text().splitlines()[0]
+    notebook = re.search(r"notebooks/(\S+\.ipynb)", first)[1]
+    assert f"%%writefile ../scripts/{script}" in (ROOT / "notebooks" / notebook).read_text().replace("\\n", "\n")
