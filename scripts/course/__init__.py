@@ -20,7 +20,7 @@ Used by notebooks and tests:
 - ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
 - ``course.scriptdiff``  the diff between two scripts, checked for step markers
 - ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
-- ``course.exercises``   notebook 09's checker (``course.exercise_runner`` runs a learner's script under it)
+- ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
 - ``course.bench_launcher``  benchmark: the launcher's wall time against bare torchrun (``make bench``)
