@@ -21,6 +21,7 @@ import torch
 
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
+from course.launcher.torchrun_output import first_failure, rank_lines
 
 RUNNER = Path(__file__).parent / "runner.py"
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
@@ -105,26 +106,6 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
     return Run(code, output, records, work, time.monotonic() - start)
 
 
-# torchrun's output, read here in one place (rank tags, its Root Cause report) until the launcher has its reader
-RANK_TAG = re.compile(r"^(?:\[rank(\d+)\]:)+ ?")
-
-
-def _first_failing_rank(output: str) -> int | None:
-    """The rank torchrun's Root Cause report names (the first failure), if it printed one."""
-    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.DOTALL)
-    return int(root.group(1)) if root else None
-
-
-def _rank_lines(output: str) -> dict[int, list[str]]:
-    """Each rank's own output lines (torchrun's --tee tags them [rankN]:), tags removed."""
-    ranks: dict[int, list[str]] = {}
-    for line in output.splitlines():
-        m = RANK_TAG.match(line)
-        if m:
-            ranks.setdefault(int(m.group(1)), []).append(line[m.end():])
-    return ranks
-
-
 @dataclass
 class Crash:
     rank: int
@@ -136,7 +117,7 @@ def _crashes(output: str, path: Path) -> list[Crash]:
     """Per rank, the last Python traceback in its output: the error and the frames in the learner's script."""
     found = []
     name = str(path.resolve())
-    for rank, lines in sorted(_rank_lines(output).items()):
+    for rank, lines in sorted(rank_lines(output).items()):
         starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
         if not starts:
             fatal = [line for line in lines if "terminate called" in line or line.lstrip().startswith("what():")]
@@ -189,8 +170,8 @@ def failure(run: Run, path: Path, timeout: float) -> None:
                 "process-group timeout" if waited else "a collective of one rank was not matched by the other")
         fail("hang", f"{lead}. " + "; ".join(parts) + ".", status="error", launched=True, crashes=len(crashes))
     if crashes:
-        root = _first_failing_rank(run.output)
-        first = next((c for c in crashes if c.rank == root and c.error), crashes[0])
+        root = first_failure(run.output)  # torchrun's report: the rank that failed first
+        first = next((c for c in crashes if root and c.rank == root["rank"] and c.error), crashes[0])
         where = _where(first, path)
         fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}",
               status="error", launched=True)
