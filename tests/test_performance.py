@@ -182,3 +182,27 @@ def test_gpu_only_cells_skip_with_a_reason_on_a_cpu(tmp_path, monkeypatch):
     for cell in executed.cells[1:]:
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
         assert text.startswith("skipped") and text.count("\n") == 1, text  # one sentence, why
+
+
+# ------------------------------------------------------------------------------------------- the step model
+
+def test_step_model_never_predicts_more_than_n_and_names_what_it_cannot_see():
+    from course.scaling_model import StepModel
+
+    # a rank faster without communication than the one process (threads used badly by the one process)
+    fast = StepModel(2, t1=1.0, t_no_sync=0.3, t_sync=0.4, t_comm=0.05, overlap=0.5, threads=(2, 1))
+    assert fast.predicted() <= 2 and fast.predicted(0) <= 2 and fast.measured == 5.0
+    assert not fast.lands() and any("how well 1 process uses 2 thread(s)" in line for line in fast.report(True))
+    # pieces that add up: (1 - f) * T_comm == T_sync - T_no_sync, compute no faster than one process
+    exact = StepModel(2, t1=0.1, t_no_sync=0.12, t_sync=0.14, t_comm=0.04, overlap=0.5)
+    assert abs(exact.exposed - (exact.t_sync - exact.t_no_sync)) < 1e-12
+    assert abs(exact.predicted() - exact.measured) < 1e-12 and exact.lands()
+    assert any("within 20%" in line for line in exact.report(True))
+    # overlap that hid nothing on a shared CPU: f = 0 lands, the measured f does not
+    hidden = StepModel(2, t1=0.1, t_no_sync=0.1, t_sync=0.2, t_comm=0.1, overlap=0.9)
+    assert not hidden.lands() and hidden.lands(0)
+    assert any("with f = 0 it is within" in line for line in hidden.report(True))
+    # time no piece holds, on a shared CPU
+    unseen = StepModel(2, t1=0.1, t_no_sync=0.1, t_sync=0.3, t_comm=0.02, overlap=0.5)
+    assert any("gloo threads on the same CPU cores" in line for line in unseen.report(True))
+    assert any("no piece of the model holds" in line for line in unseen.report(False))
