@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import time
+import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,14 +139,101 @@ def test_unusable_flower_folders_raise_a_clear_error(tmp_path, layout):
     assert str(root) in str(error.value)
 
 
-def test_corrupt_image_fails_naming_the_file(tmp_path):
+def test_corrupt_image_fails_naming_the_file_before_any_batch(tmp_path):
+    """issue 21 item 4: every script that reads the flowers finds a corrupt JPEG when it builds the datasets,
+    in one line naming the file, not mid-epoch in a DataLoader worker."""
     datagen.generate_flowers(tmp_path, n_images=10)
     bad = tmp_path / "roses" / "roses_00000.jpg"
     bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
-    train, val, _ = data.build_datasets("flowers", tmp_path)
     with pytest.raises(data.DatasetError, match="unreadable image") as error:
-        [item for item in train] + [item for item in val]
-    assert str(bad) in str(error.value)
+        data.build_datasets("flowers", tmp_path)
+    assert str(bad) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["flowers", "mnist"])
+def test_a_half_generated_dataset_is_refused(name, tmp_path, monkeypatch):
+    """issue 21 item 5: after an interrupted `make data` the scripts trained on 2 of 5 classes, exit code 0."""
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path)
+    monkeypatch.delenv(f"COURSE_{name.upper()}_DIR", raising=False)
+    root = tmp_path / name
+    (datagen.generate_flowers(root, n_images=20) if name == "flowers" else
+     datagen.generate_mnist(root, n_train=100, n_val=20))
+    assert data.build_datasets(name)[2] > 1  # complete: loads
+    (root / data.MARKER).unlink()  # as `make data` leaves a folder it did not finish
+    with pytest.raises(data.DatasetError, match="half generated.*run `make data`") as error:
+        data.build_datasets(name)
+    assert str(root) in str(error.value)
+    (root / data.GENERATING).touch()  # generating into a folder passed with --data-dir: refused there too
+    with pytest.raises(data.DatasetError, match="half generated"):
+        data.build_datasets(name, root)
+
+
+def test_generation_marks_its_folder_while_it_writes(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(datagen, "make_flower_image", lambda *a: seen.append(sorted(p.name for p in tmp_path.iterdir()))
+                        or Image.new("RGB", (8, 8)))
+    datagen.generate_flowers(tmp_path, n_images=5)
+    assert data.GENERATING in seen[0] and data.MARKER not in seen[0]
+    assert (tmp_path / data.MARKER).exists() and not (tmp_path / data.GENERATING).exists()
+
+
+class FakeMNIST:
+    """Stands in for torchvision's MNIST (nothing can be downloaded here): records how it was asked."""
+    calls: typing.ClassVar[list] = []
+
+    def __init__(self, root, train, download, transform):
+        FakeMNIST.calls.append((os.environ.get("LOCAL_RANK"), train, download))
+        if not download and not (Path(root) / "MNIST" / "raw").is_dir():
+            raise RuntimeError("Dataset not found. You can use download=True to download it")
+        if download:
+            (Path(root) / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
+
+    def __len__(self):
+        return 10
+
+
+@pytest.fixture
+def fake_mnist(monkeypatch):
+    FakeMNIST.calls = []
+    monkeypatch.setattr(data.datasets, "MNIST", FakeMNIST)
+    monkeypatch.delenv("COURSE_MNIST_DIR", raising=False)
+    return FakeMNIST.calls
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty"])
+def test_a_wrong_mnist_data_dir_is_an_error_never_a_download(layout, tmp_path, fake_mnist):
+    """issue 21 item 6: --data-dir at a folder without MNIST started a download, from every rank at once."""
+    root = tmp_path / "mnist"
+    if layout == "empty":
+        root.mkdir()
+    with pytest.raises(data.DatasetError, match="neither mnist.npz.*COURSE_MNIST_DIR") as error:
+        data.build_datasets("mnist", root)
+    assert str(root) in str(error.value)
+    assert not [call for call in fake_mnist if call[2]], "nothing is downloaded"
+
+
+def test_course_mnist_dir_downloads_once_per_machine(tmp_path, fake_mnist, monkeypatch):
+    """COURSE_MNIST_DIR asks for real MNIST: local rank 0 downloads; another local rank waits for it, then reads."""
+    import threading
+
+    root = tmp_path / "real_mnist"
+    monkeypatch.setenv("COURSE_MNIST_DIR", str(root))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    waited = threading.Event()
+
+    def rank0_later():
+        time.sleep(1.0)
+        waited.set()
+        monkeypatch.setenv("LOCAL_RANK", "0")  # what local rank 0 does, in its own process
+        data._download_mnist(root)
+
+    worker = threading.Thread(target=rank0_later)
+    worker.start()
+    _, _, classes = data.build_datasets("mnist")  # local rank 1: waits for the marker
+    worker.join()
+    assert waited.is_set() and classes == 10 and (root / data.DOWNLOADED).exists()
+    downloads = [call for call in fake_mnist if call[2]]
+    assert len(downloads) == 2 and {call[0] for call in downloads} == {"0"}, fake_mnist  # train and val, rank 0
 
 
 def test_missing_default_mnist_says_run_make_data(tmp_path, monkeypatch):

@@ -104,3 +104,44 @@ def test_planning_a_cpu_job_does_not_import_torch():
     code = "import sys; from course.launcher import launch, plan; plan(2); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+# The take-home scripts carry their own few device lines (they cannot import course.hardware): each is held
+# against the rule for the same faked hardware, faked where the scripts ask, in torch.accelerator.
+REPORTS = [(None, 0), ("cuda", 0), ("cuda", 1), ("cuda", 2), ("mps", 1), ("xpu", 2)]
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """Make torch.accelerator answer as a machine with this accelerator report would: fake_torch(("cuda", 2))."""
+    def fake(report):
+        kind, count = report
+        present = torch.device(kind) if kind and count else None  # check_available: None without a device
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: present)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: count if present else 0)
+    return fake
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=str)
+@pytest.mark.parametrize("script", ["train_ddp", "train_fsdp", "train_flowers"])
+def test_each_scripts_own_device_lines_follow_the_rule(script, report, fake_torch):
+    from course import import_script
+
+    module = import_script(script)
+    fake_torch(report)
+    for nproc in (1, 2):
+        chosen = choose(nproc, report=report)
+        for local_rank in range(nproc):
+            device, backend = module.pick_device(local_rank, nproc)
+            expected = torch.device("cpu") if chosen.device_type == "cpu" else torch.device(chosen.device_type, local_rank)
+            assert (device, backend) == (expected, chosen.backend), (script, report, nproc, chosen.reason)
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=str)
+def test_train_singles_device_line_follows_the_rule_for_one_plain_process(report, fake_torch):
+    from course import import_script
+
+    module = import_script("train_single")
+    fake_torch(report)
+    chosen = choose(1, ranks=False, report=report)
+    assert module.pick_device().type == chosen.device_type, chosen.reason

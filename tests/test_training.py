@@ -1,13 +1,11 @@
 """The course's training scripts under torchrun (2 gloo ranks for DDP): metrics, equivalence, errors,
-bad input refused at start, previous results never lost."""
+bad input refused at start, previous results never lost; course.checkpoint and the scripts' own atomic save."""
 
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -112,7 +110,8 @@ def test_diff_single_to_ddp_is_exactly_the_five_steps():
     assert 'rank = int(os.environ["RANK"])' in ddp and 'local_rank = int(os.environ["LOCAL_RANK"])' in ddp
     assert "sampler.set_epoch(epoch)" in ddp and "model.module.state_dict()" in ddp
     # Everything detectable is checked before the process group starts.
-    assert ddp.index("with reported_once(rank)") < ddp.index("dist.init_process_group(")
+    for check in ("build_datasets(", "check_writable(args.checkpoint)"):
+        assert ddp.index(check) < ddp.index("dist.init_process_group("), check
     for name in ("train_single", "train_ddp"):
         first = (SCRIPTS / f"{name}.py").read_text().splitlines()[0]
         assert first.startswith("# Written by notebooks/") and "edit it there" in first
@@ -153,7 +152,8 @@ def test_epochs_0_and_a_crash_mid_run_keep_the_previous_results(datasets, tmp_pa
 
 
 def test_bad_datasets_give_one_clear_error_line(tmp_path):
-    """Each failure names the folder, once, before any training; every process exits with 2."""
+    """Each failure names the folder in one line per process, before any training; every process exits with 2
+    (the launcher shows the ranks' identical lines once)."""
     cases = {}
     for layout in ("empty", "one_class"):  # every layout is tested on course.data itself (test_data.py)
         target = tmp_path / layout / "flowers"
@@ -167,7 +167,7 @@ def test_bad_datasets_give_one_clear_error_line(tmp_path):
         cases[layout] = (target, python("train_single.py", "--dataset", "flowers", "--data-dir", target,
                                         "--run-dir", tmp_path / layout / "run", wait=False))
     # The DDP script with a missing dataset, as torchrun starts it: both ranks fail before the process group,
-    # rank 0 alone says why.
+    # each with the same one line.
     missing = tmp_path / "nowhere"
     ranks = [python("train_ddp.py", "--dataset", "flowers", "--data-dir", missing, "--run-dir", tmp_path / "ddp",
                     env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
@@ -183,13 +183,14 @@ def test_bad_datasets_give_one_clear_error_line(tmp_path):
     assert "1 class folder(s) (roses); a classifier needs at least two" in errors["one_class"]
     results = [proc.communicate(timeout=180) for proc in ranks]
     assert [proc.returncode for proc in ranks] == [2, 2]
-    assert [len(err.strip().splitlines()) for _, err in results] == [1, 0], results
-    assert results[0][1].startswith(f"error: flowers folder {missing} does not exist")
+    assert [len(err.strip().splitlines()) for _, err in results] == [1, 1], results
+    assert results[0][1] == results[1][1] and results[0][1].startswith(f"error: flowers folder {missing} does not exist")
 
 
 def test_unwritable_checkpoint_fails_at_start_naming_the_path(datasets, tmp_path):
+    """issue 21 item 11: a parent path that is a file is named as such (mkdir said "File exists")."""
     (tmp_path / "a_file").write_text("I am a file, not a folder")
-    cases = {"file_as_parent": tmp_path / "a_file" / "model.pt"}
+    cases = {"file_as_parent": tmp_path / "a_file" / "model.pt", "file_as_grandparent": tmp_path / "a_file" / "x" / "m.pt"}
     if os.geteuid() != 0:  # root may write anywhere: a read-only folder stops only other users
         (tmp_path / "readonly").mkdir(mode=0o555)
         cases["readonly"] = tmp_path / "readonly" / "model.pt"
@@ -200,44 +201,22 @@ def test_unwritable_checkpoint_fails_at_start_naming_the_path(datasets, tmp_path
         assert proc.returncode == 2, (name, err[-2000:])
         assert err.strip().splitlines() == [err.strip()] and str(cases[name]) in err, (name, err)
         assert "training samples" not in out, "refused before training starts"
+        if name.startswith("file_as"):
+            assert f"{tmp_path / 'a_file'} is a file, not a folder" in err and "File exists" not in err, err
 
 
-def test_second_run_into_a_live_runs_directory_is_refused(datasets, tmp_path):
-    run_dir = tmp_path / "run"
-    first = python("train_single.py", "--epochs", 50, "--run-dir", run_dir, "--checkpoint", tmp_path / "1.pt",
-                   wait=False)
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / ".lock").exists():
-            assert first.poll() is None and time.monotonic() < deadline, "the first run never took the run dir"
-            time.sleep(0.2)
-        second = python("train_single.py", "--epochs", 1, "--run-dir", run_dir, "--checkpoint", tmp_path / "2.pt")
-        assert first.poll() is None, "the first run must still be alive for this test to mean anything"
-    finally:
-        first.kill()
-        first.communicate()
-    assert second.returncode == 2
-    assert second.stderr.strip() == (f"error: run directory {run_dir} is in use by a live run "
-                                     f"({socket.gethostname()} {first.pid}); wait for it, stop it, "
-                                     "or pass another --run-dir")
-
-
-def test_short_run_from_another_cwd_logs_a_loss_and_writes_under_the_course_root(datasets, tmp_path):
+def test_short_run_from_another_cwd_logs_a_loss_and_writes_relative_to_it(datasets, tmp_path):
     """Fewer steps than --log-every: the loss is the mean of the steps that ran (not nan); fewer steps than
-    the warm-up: no speed is made up. Relative --run-dir/--checkpoint resolve against the course root."""
+    the warm-up: no speed is made up. Relative --run-dir/--checkpoint are relative to the working directory, as
+    in any script a learner copies (the course's launcher runs scripts in the course root)."""
     name = f"_test_cwd_{uuid.uuid4().hex[:8]}"
-    run_dir, ckpt = ROOT / "runs" / name, ROOT / "weights" / f"{name}.pt"
-    try:
-        result = python("train_single.py", "--max-steps", 3, "--log-every", 10, "--run-dir", f"runs/{name}",
-                        "--checkpoint", f"weights/{name}.pt", cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-2000:]
-        m = json.loads((run_dir / "metrics.json").read_text())
-        assert ckpt.exists() and not any(tmp_path.iterdir()), "nothing written in the working directory"
-    finally:
-        import shutil
-
-        shutil.rmtree(run_dir, ignore_errors=True)
-        ckpt.unlink(missing_ok=True)
+    result = python("train_single.py", "--max-steps", 3, "--log-every", 10, "--run-dir", f"runs/{name}",
+                    "--checkpoint", f"weights/{name}.pt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not (ROOT / "runs" / name).exists() and not (ROOT / "weights" / f"{name}.pt").exists()
+    m = json.loads((tmp_path / "runs" / name / "metrics.json").read_text())
+    assert (tmp_path / "weights" / f"{name}.pt").is_file()
+    assert list((tmp_path / "runs" / name).glob("events.out.tfevents.*")), "TensorBoard events beside metrics.json"
     assert m["steps"] == 3 and math.isfinite(m["final_train_loss"]) and len(m["train_loss_history"]) == 1
     assert m["samples_per_s"] is None and m["timed_steps"] == 0
     assert "done: no step timed after the warm-up" in result.stdout
@@ -257,3 +236,100 @@ def test_notebook_03_step_cells_quote_the_script():
             for fragment in line.split("  #", 1)[0].strip().split("..."):
                 fragment = fragment.strip(" ,()")
                 assert fragment in script, f"{cell.splitlines()[0]}: {fragment!r} is not in train_ddp.py"
+
+
+# ------------------------------------------------------------------- checkpoints (issue 21 items 7, 8, 11, 12)
+
+
+def _savers():
+    """course.checkpoint.save_checkpoint and the take-home scripts' own few lines, as save(state, path)."""
+    from course.checkpoint import save_checkpoint
+
+    single = import_script("train_single")
+    return {"course.checkpoint": save_checkpoint, "train_single.py": lambda state, path: single.save_atomically(state, path)}
+
+
+@pytest.mark.parametrize("saver", ["course.checkpoint", "train_single.py"])
+def test_checkpoints_keep_the_umask(saver, tmp_path):
+    """mkstemp made every checkpoint 0600 whatever the umask; a plain torch.save gives 0666 & ~umask."""
+    import torch
+
+    save = _savers()[saver]
+    old = os.umask(0o022)
+    try:
+        save({"w": torch.ones(2)}, tmp_path / "a.pt")
+        os.umask(0o002)
+        save({"w": torch.ones(2)}, tmp_path / "b.pt")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "a.pt").stat().st_mode & 0o777) == oct(0o644)
+    assert oct((tmp_path / "b.pt").stat().st_mode & 0o777) == oct(0o664)
+
+
+@pytest.mark.parametrize("saver", ["course.checkpoint", "train_single.py"])
+def test_a_successful_save_leaves_no_temporary_of_killed_writers(saver, tmp_path):
+    """Writers killed mid-save (SIGKILL) left their temporaries forever; the next save of the same checkpoint
+    removes them (or reuses the one name), and leaves other files alone."""
+    import torch
+
+    save = _savers()[saver]
+    path = tmp_path / "model.pt"
+    writer = ("import os, sys, torch; sys.path.insert(0, sys.argv[3])\n"
+              "from course.checkpoint import save_checkpoint\n"
+              "import train_single\n"
+              "class Slow:\n"
+              "    def __reduce__(self):\n"
+              "        os.kill(os.getpid(), 9)\n"
+              "save = save_checkpoint if sys.argv[1] == 'course.checkpoint' else train_single.save_atomically\n"
+              "save({'w': torch.ones(1000), 'slow': Slow()}, sys.argv[2])\n")
+    for _ in range(2):
+        killed = subprocess.run([sys.executable, "-c", writer, saver, str(path), str(SCRIPTS)],
+                                timeout=120, check=False)
+        assert killed.returncode == -9
+    assert list(tmp_path.glob(".model.pt*")), "the killed writers left their temporaries (the case to fix)"
+    (tmp_path / ".other.pt.1.x.tmp").write_text("another checkpoint's temporary")
+    save({"w": torch.ones(2)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.1.x.tmp", "model.pt"]
+
+
+def test_check_writable_names_a_parent_that_is_a_file(tmp_path):
+    from course.checkpoint import check_writable
+    from course.errors import CourseError
+
+    (tmp_path / "README.md").write_text("a file")
+    with pytest.raises(CourseError, match="README.md is a file, not a folder"):
+        check_writable(tmp_path / "README.md" / "x.pt")
+
+
+def test_a_code_running_legacy_pickle_is_refused_as_such(tmp_path, recwarn):
+    """A plain (non-zip) pickle that calls os.system: torch says "Unsupported operand 149" and warns about the
+    pickle protocol; the course says the file is not a plain tensor checkpoint and would run code."""
+    import pickle
+
+    import torch
+
+    from course.checkpoint import read_checkpoint
+    from course.errors import CourseError
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("echo this should never run",))
+
+    legacy = tmp_path / "legacy.pt"
+    legacy.write_bytes(pickle.dumps({"model": RunsCode()}, protocol=4))
+    zipped = tmp_path / "zipped.pt"
+    torch.save({"model": RunsCode()}, zipped)
+    for path in (legacy, zipped):
+        with pytest.raises(CourseError) as error:
+            read_checkpoint(path)
+        message = str(error.value)
+        assert f"{path} is not a plain tensor checkpoint: loading it would run code" in message, message
+        assert "system" in message and "corrupt" not in message
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+    plain = tmp_path / "plain_legacy.pt"  # an old-format checkpoint of tensors still loads
+    torch.save({"w": torch.ones(3)}, plain, _use_new_zipfile_serialization=False)
+    assert torch.equal(read_checkpoint(plain)["w"], torch.ones(3))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(plain.read_bytes()[:200])
+    with pytest.raises(CourseError, match="corrupt or truncated"):
+        read_checkpoint(truncated)
