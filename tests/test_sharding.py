@@ -95,6 +95,21 @@ def test_measured_bytes_per_rank_match_the_prediction(memory):
     assert ddp["ddp_bucket_bytes"] == pytest.approx(4 * psi, rel=0.01)  # a second copy of the gradients
 
 
+def test_zero2_like_holds_whole_parameters_and_its_shard(memory):
+    """What figure 08_zero_stages says under it: fully_shard with reshard_after_forward=False keeps the whole
+    parameters and its own shard (4Ψ + 16Ψ/N, 12Ψ at N = 2, as much as ZeRO-1), not the paper's 4Ψ + 12Ψ/N."""
+    psi, measured = memory["psi"], memory["measured"]
+    zero2, zero1 = measured["ZeRO-2-like"][0], measured["ZeRO-1"][0]
+    assert zero2["parameters"] == pytest.approx(4 * psi + 4 * psi / 2, rel=0.01)
+    assert zero2["gradients"] == pytest.approx(4 * psi / 2, rel=0.01)
+    assert model_states(zero2) == pytest.approx(model_states(zero1), rel=0.01)
+    assert model_states(zero2) > 1.1 * (4 * psi + 12 * psi / 2)  # more than the paper's stage 2
+    figure = (ROOT / "notebooks" / "figures" / "08_zero_stages.svg").read_text()
+    assert "ZeRO-2 (paper)" in figure and "4Ψ + 16Ψ/N, 12Ψ at N = 2" in figure
+    for n in (2, 4, 8):
+        assert model_states(predict(1, n)["ZeRO-2-like"]) == pytest.approx(4 + 16 / n)
+
+
 def test_collectives_per_step(memory):
     psi, groups = memory["psi"], memory["groups"]
     calls = {s: {k: v["calls"] for k, v in memory["measured"][s][0]["collectives"].items()} for s in STRATEGIES}
