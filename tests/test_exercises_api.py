@@ -14,12 +14,16 @@ from course.exercises import EXERCISES, hint, progress, progress_rows
 from course.exercises.hints import COMMON_HINTS
 from course.scriptdiff import script_diff
 
-STUBS = ["1", "2", "3", "4", "5"]
-
 
 def todo_lines(text: str) -> list[int]:
     return sorted({tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
                    if tok.type == tokenize.COMMENT and tok.string.lstrip("# ").startswith("TODO")})
+
+
+# Every exercise whose committed script has TODO lines is a stub; the others (the debugging lab) are broken
+# scripts whose solution marks its fix with "The fix". A new exercise is tested here without a new line.
+STUBS = [key for key, ex in EXERCISES.items() if todo_lines((SCRIPTS / ex.script).read_text())]
+FIXES = [key for key in EXERCISES if key not in STUBS]
 
 
 @pytest.mark.parametrize("key", STUBS)
@@ -46,7 +50,7 @@ def test_stub_and_solution_differ_only_at_the_todo_lines(key):
     assert diff.unmarked == [], "changed lines without a # TODO in the stub:\n" + "\n".join(diff.unmarked)
 
 
-@pytest.mark.parametrize("key", ["6a", "6b", "6c"])
+@pytest.mark.parametrize("key", FIXES)
 def test_debugging_lab_solution_changes_only_the_marked_fix(key):
     diff = script_diff(SCRIPTS / EXERCISES[key].script, EXERCISES[key].solution, marker=r"The fix", context=0)
     assert diff.hunks and any("The fix" in h for h in diff.hunks)
@@ -93,7 +97,7 @@ def test_report_is_given_its_exercise(run_check):
 
 
 def test_every_exercise_has_hints_for_its_own_diagnoses():
-    assert set(exercises.MODULES) and len(EXERCISES) == 8
+    assert set(exercises.MODULES) and len(EXERCISES) >= 8 and STUBS[:5] == ["1", "2", "3", "4", "5"]
     for ex in EXERCISES.values():
         assert ex.solution.exists() and (SCRIPTS / ex.script).exists()
         for diagnosis, hints in {**COMMON_HINTS, **ex.hints}.items():

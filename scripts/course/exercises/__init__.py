@@ -47,7 +47,6 @@ from course.exercises.results import (
     Results,
     Stop,
     rel,
-    results_file,
     solutions_mode,
 )
 from course.exercises.running import LAUNCH_TIMEOUT_S, static_check
@@ -185,7 +184,3 @@ def progress(results_file=None, notebook: str = NOTEBOOK) -> None:
     """Show the status of every exercise of a notebook: a table in a notebook, text elsewhere."""
     table.show(progress_rows(results_file, notebook), Results(results_file, notebook).path)
 
-
-def default_results_file(notebook: str = NOTEBOOK) -> Path:
-    """The results file check() and progress() use by default."""
-    return results_file(notebook)
