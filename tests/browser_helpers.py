@@ -2,12 +2,11 @@
 import io
 import json
 import os
-import time
 import urllib.request
 from functools import partial
 from pathlib import Path
 
-import psutil
+from conftest import processes_with, wait_until  # noqa: F401 (one home for both; tests/test_browser.py imports them here)
 
 # Debian's package; COURSE_CHROMIUM points elsewhere (another distribution's path, a local build).
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))
@@ -22,40 +21,6 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"},
 }
 ERROR_OUTPUT = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
-
-
-def wait_until(condition, timeout: float, what: str, poll: float = 0.5):
-    """condition()'s first truthy value; AssertionError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-
-
-def processes_with(fragment: str, env: dict | None = None) -> list[str]:
-    """Command lines of live processes that mention ``fragment`` (e.g. a script's file name).
-
-    env: only processes whose environment holds these variables, e.g. the marker the test Lab
-    passes on to its kernels and everything they start (an orphan keeps it too). Then another
-    job on the same machine that runs the same script does not count."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or ())
-        if fragment not in cmdline or proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        if env:
-            try:
-                environ = proc.environ()
-            except psutil.Error:  # ended meanwhile
-                continue
-            if any(environ.get(name) != value for name, value in env.items()):
-                continue
-        found.append(f"{proc.pid}: {cmdline[:160]}")
-    return found
 
 
 def open_notebook(page, url: str):

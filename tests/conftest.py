@@ -1,9 +1,12 @@
-"""Shared test fixtures. Tests run real torchrun jobs with gloo on the CPU.
+"""Shared test helpers, one home each. Tests run real torchrun jobs with gloo on the CPU.
 
-Fixtures for processes (use them as test arguments, not imports):
-- ``find_processes(marker)``: processes whose command line mentions ``marker`` (a script path)
+Plain functions (``from conftest import ...``, e.g. in tests/browser_helpers.py) and the same as fixtures:
+- ``processes_with(fragment, env=None)``: live processes (not zombies, not this one) whose command line
+  mentions ``fragment`` (a script path), optionally only those whose environment holds ``env``
 - ``wait_no_processes(marker, timeout=10)``: polls until none is left; returns those still running
-- ``wait_until(condition, timeout, what)``: polls ``condition()`` until true, else fails the test
+- ``wait_until(condition, timeout, what, poll=0.2)``: ``condition()``'s first truthy value, else the test
+  fails naming what was awaited
+- ``run(script, nproc, args, run_dir, **launch_options)``: a quiet ``course.launcher.launch``
 """
 
 import time
@@ -14,59 +17,66 @@ import pytest
 from course import ROOT
 
 
-def _processes_running(marker: str) -> list[psutil.Process]:
+def processes_with(fragment: str, env: dict | None = None) -> list[psutil.Process]:
     found = []
     me = psutil.Process().pid
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
-            if proc.pid != me and marker in " ".join(proc.info["cmdline"] or []):
-                found.append(proc)
-        except psutil.Error:
+            if (proc.pid == me or fragment not in " ".join(proc.info["cmdline"] or ())
+                    or proc.info["status"] == psutil.STATUS_ZOMBIE):
+                continue
+            if env and any(proc.environ().get(name) != value for name, value in env.items()):
+                continue
+            found.append(proc)
+        except psutil.Error:  # ended meanwhile
             pass
     return found
 
 
-def _wait_for_no_processes(marker: str, timeout: float = 10) -> list[psutil.Process]:
+def wait_until(condition, timeout: float, what: str, poll: float = 0.2):
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _processes_running(marker):
-            return []
-        time.sleep(0.2)
-    return _processes_running(marker)
-
-
-def _wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = condition()
         if value:
             return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def wait_for_no_processes(marker: str, timeout: float = 10) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not processes_with(marker):
+            return []
         time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    return processes_with(marker)
 
 
-@pytest.fixture
-def find_processes():
+def run(script, nproc, args, run_dir, timeout: float = 600, **kw):
+    """``launch`` with its output dropped (the result holds it), for tests that assert on what a run wrote."""
+    from course.launcher import launch
+
+    return launch(script, nproc=nproc, args=[str(a) for a in args], run_dir=run_dir, timeout=timeout,
+                  on_line=lambda _: None, quiet=True, **kw)
+
+
+@pytest.fixture(name="find_processes")
+def _find_processes():
     """Processes whose command line mentions a marker (a script path), excluding this test process."""
-    return _processes_running
+    return processes_with
 
 
-@pytest.fixture
-def wait_no_processes():
+@pytest.fixture(name="wait_no_processes")
+def _wait_no_processes():
     """Wait until no process mentions the marker; returns the processes still running after ``timeout``."""
-    return _wait_for_no_processes
+    return wait_for_no_processes
 
 
-@pytest.fixture
-def wait_until():
+@pytest.fixture(name="wait_until")
+def _wait_until():
     """Poll a condition until it is true (returns its value), else fail the test naming what was awaited."""
-    return _wait_until
-
-
-# Deprecated: the old importable names, kept until every test uses the fixtures above
-# (tests/test_pitfalls.py still imports wait_for_no_processes).
-processes_running = _processes_running
-wait_for_no_processes = _wait_for_no_processes
+    return wait_until
 
 
 @pytest.fixture(scope="session")

@@ -367,3 +367,115 @@ def test_lines_torchrun_glued_to_an_unfinished_progress_bar_are_cut_apart():
     for whole in ("[rank1]:[rank1]: Traceback (most recent call last):\n", "[rank0]:a list [rank1]: as text\n",
                   "[rank0]:\n"):
         assert unglue(whole) == [whole]
+
+
+# ---------------------------------------------------------------------------- failures named (issue 21)
+
+KILLED_RANK = """
+import os, signal
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 0:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+dist.barrier()
+"""
+
+
+def test_a_rank_killed_by_a_signal_is_named_first(tmp_path):
+    """Issue 21 #2: rank 0 SIGKILLed; rank 1 then only sees 'Connection closed by peer'."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK)
+    result = launch(script, 2, timeout=120, check=False, on_line=lambda _: None)
+    assert result.returncode != 0
+    first = result.failure.splitlines()[0]
+    assert first.startswith("rank 0 was ended by SIGKILL"), result.failure
+    if "by peer" in result.output:  # rank 1 noticed ("Connection closed/reset by peer") before torchrun stopped it
+        assert "having only seen rank 0 die: rank 1" in result.failure.splitlines()[-1], result.failure
+
+
+def test_the_same_argument_error_from_every_rank_is_shown_once():
+    """Issue 21 #3: argparse's usage and error, printed by both ranks, appear once in the stream."""
+    shown = []
+    with pytest.raises(LaunchError) as error:
+        launch("train_ddp.py", 2, ["--epochs", "0"], timeout=120, on_line=shown.append)
+    stream = "".join(shown)
+    assert stream.count("error: argument --epochs") == 1, stream
+    assert stream.count("usage: train_ddp.py") == 1
+    assert "printed the same" in stream
+    assert error.value.output.count("error: argument --epochs") == 2  # all of it is kept in the output
+    assert [line for line in str(error.value).splitlines() if "error:" in line] == \
+        ["  train_ddp.py: error: argument --epochs: 0 must be > 0"]
+
+
+def test_different_lines_from_each_rank_are_all_shown():
+    stream_lines = []
+    with pytest.raises(LaunchError):
+        launch(FAILS, nproc=2, args=["--epochs", "x"], timeout=120, on_line=stream_lines.append)
+    stream = "".join(stream_lines)
+    assert stream.count("error: argument --epochs: invalid int value: 'x'") == 1
+    from course.launcher.stream import TorchrunStream
+
+    feed = TorchrunStream()
+    lines = ["[rank0]:Traceback (most recent call last):\n", "[rank1]:Traceback (most recent call last):\n",
+             "[rank0]:ValueError: zero\n", "[rank1]:ValueError: one\n"]
+    shown = [line for text in lines for line, how in feed.feed(text) if how != "keep"]
+    shown += [line for line, how in feed.flush() if how != "keep"]
+    assert sorted(shown) == sorted(lines)  # rank 1 said something else: nothing of it is hidden
+
+
+def test_a_timeout_keeps_torchruns_own_traceback_out_of_the_stream():
+    """Issue 21 #9: torchrun's SignalException traceback (told to stop) is in the output, not streamed."""
+    shown = []
+    with pytest.raises(LaunchError, match="timed out") as error:
+        launch(FIXTURE, nproc=2, env={"HANG": "1"}, timeout=15, on_line=shown.append)
+    stream = "".join(shown)
+    assert "SignalException" not in stream and "Traceback" not in stream, stream
+    assert "SignalException" in error.value.output
+    assert shown[-1].startswith("[launcher] timed out after 15 s")
+
+
+LAB_LIKE = ("import sys\nfrom course.launcher import launch\nprint('launching', flush=True)\n"
+            "launch(sys.argv[1], nproc=2, args=['--max-steps', '600', '--step-seconds', '0.1'], timeout=300)\n")
+
+
+def test_ending_the_callers_whole_tree_removes_the_log_folder(tmp_path, wait_until):
+    """Issue 21 #10: stopping Lab ends the kernel and the watchdog at once (kill_tree): no folder is left."""
+    from course.launcher import kill_tree
+
+    slow = str(ROOT / "tests" / "fixtures" / "slow_ranks.py")
+    caller = subprocess.Popen([sys.executable, "-c", LAB_LIKE, slow], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    seen = []
+    threading.Thread(target=lambda: seen.extend(caller.stdout), daemon=True).start()
+    try:
+        wait_until(lambda: sum("starting" in line for line in list(seen)) >= 2, 120, "both ranks to start")
+        assert list(tmp_path.glob("course-torchrun-*"))
+        kill_tree(caller.pid)
+        wait_until(lambda: not list(tmp_path.glob("course-torchrun-*")), 10, "the log folder to be removed")
+    finally:
+        kill_tree(caller.pid, grace=1)
+
+
+RESTARTED = """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.barrier()
+if attempt == 0 and dist.get_rank() == 1:
+    raise SystemExit("failing once on purpose")
+dist.barrier()
+print(f"rank {dist.get_rank()} finished attempt {attempt}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_restarts_through_the_launcher_get_a_fresh_store(tmp_path):
+    """Issue 21 #13: with --max-restarts, gloo's restarted attempt needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    shown = []
+    result = launch(script, 2, torchrun_args=["--max-restarts=1"], timeout=180, on_line=shown.append)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shown[0]
+    assert "rank 0 finished attempt 1" in result.output and "rank 1 finished attempt 1" in result.output

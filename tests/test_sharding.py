@@ -4,19 +4,15 @@ exported to a plain file."""
 
 import pytest
 import torch
+from conftest import run
 
 from course import ROOT
-from course.launcher import LaunchError, launch
+from course.launcher import LaunchError
 from course.models import build_model
 from course.scriptdiff import script_diff
 from course.sharding import STRATEGIES, CollectiveCounter, blocks, local_bytes, model_states, predict
 
-QUIET = {"on_line": lambda _: None, "quiet": True}
 TOLERANCE = 0.02  # what notebook 08 states: measured model states within 2 % of the prediction
-
-
-def run(script, nproc, args, run_dir, **kw):
-    return launch(script, nproc=nproc, args=args, run_dir=run_dir, timeout=600, **QUIET, **kw)
 
 
 def test_prediction_is_the_zero_table():

@@ -9,16 +9,10 @@ import sys
 import uuid
 
 import pytest
+from conftest import run
 
 from course import ROOT, SCRIPTS, import_script
-from course.launcher import launch
 from course.scriptdiff import script_diff
-
-QUIET = {"on_line": lambda _: None}
-
-
-def run(script, nproc, args, run_dir, **kw):
-    return launch(script, nproc=nproc, args=args, run_dir=run_dir, timeout=600, **QUIET, **kw)
 
 
 def python(script, *args, cwd=ROOT, env=None, wait=True):

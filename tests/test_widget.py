@@ -4,8 +4,8 @@ import re
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import processes_with, wait_until
 
 from course.widget import launcher_widget
 
@@ -13,21 +13,8 @@ FIXTURE = Path(__file__).parent / "fixtures" / "slow_ranks.py"
 pytestmark = pytest.mark.timeout(120)
 
 
-def fixture_processes() -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(FIXTURE.name in part for part in proc.info["cmdline"] or ()):
-            found.append(proc)
-    return found
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+def fixture_processes() -> list:
+    return processes_with(FIXTURE.name)
 
 
 def text_of(panel) -> str:
@@ -98,15 +85,15 @@ def test_launch_progress_stop_no_orphans(panel):
     panel.launch_button.click()  # a second Launch while running is refused, the run goes on
     assert "already running" in panel.status.value and panel.running
 
-    wait_for(lambda: panel.progress.value >= 5, 60, "rank 0's progress bar to move")
+    wait_until(lambda: panel.progress.value >= 5, 60, "rank 0's progress bar to move")
     assert panel.progress.max == 400 and panel.progress.description == "epoch 1"
     output = text_of(panel)
     assert "[rank0]:" in output and "[rank1]:" in output, output
     assert len(fixture_processes()) >= 3  # torchrun + 2 ranks
 
     panel.stop_button.click()
-    wait_for(lambda: not panel.running, 20, "the launch thread to end after Stop")
-    wait_for(lambda: not fixture_processes(), 5, "every fixture process to end")
+    wait_until(lambda: not panel.running, 20, "the launch thread to end after Stop")
+    wait_until(lambda: not fixture_processes(), 5, "every fixture process to end")
     assert "stopped" in panel.status.value
     assert "stopped: ended" in text_of(panel)
     assert panel.progress.bar_style == "warning" and panel.progress.value < 400
@@ -118,7 +105,7 @@ def test_full_run_finishes(tmp_path):
     panel = launcher_widget(str(FIXTURE), nproc=2, run_dir=tmp_path / "run", max_steps=20,
                             args="--step-seconds 0.05")
     panel.launch_button.click()
-    wait_for(lambda: not panel.running, 90, "the run to finish")
+    wait_until(lambda: not panel.running, 90, "the run to finish")
     assert "finished" in panel.status.value, panel.status.value
     assert panel.progress.value == panel.progress.max == 20 and panel.progress.bar_style == "success"
     # tqdm redraws one line in place: the log keeps one progress line per epoch, not one per redraw

@@ -167,8 +167,14 @@ def describe_failure(output: str, returncode: int | None = None) -> str:
     if saw and entry["signal"] and entry["signal"] != STOPPED_BY_TORCHRUN:
         last = {e["rank"]: [line for line in _own_lines(e, by_rank) if _is_victim([line])][-1:] for e in saw}
         text += (f"\nthen, having only seen rank {entry['rank']} die: "
-                 + "; ".join(f"rank {r}" + (f" ({lines[0].strip()})" if lines else "") for r, lines in last.items()))
+                 + "; ".join(f"rank {r}" + (f" ({_short(lines[0])})" if lines else "") for r, lines in last.items()))
     return text
+
+
+def _short(line: str) -> str:
+    """An error line without gloo's source location, cut after its first sentence."""
+    line = re.sub(r"\[/[^\]]+\.(cc|cpp|h):\d+\] ", "", line.strip())
+    return line.split(". ", 1)[0]
 
 
 def _from_error_file(entry: dict) -> list[str]:
