@@ -65,8 +65,10 @@ def test_scripts_and_tests_pass_ruff():
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes_headless(path, datasets, tmp_path, monkeypatch):
-    """Run the notebook as `make course` does (quick mode); any cell that raises fails the test."""
+    """Run the notebook as `make course` does (quick mode, Check yourself answered from its key); any cell that
+    raises fails the test, a key that no longer passes too."""
     monkeypatch.setenv("COURSE_QUICK", "1")
+    monkeypatch.setenv("COURSE_ANSWER_KEY", "1")
     from course.run_notebooks import execute
 
     ok, seconds, error = execute(path, out_dir=tmp_path)

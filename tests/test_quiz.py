@@ -1,0 +1,68 @@
+"""'Check yourself' starts unanswered in every notebook, and course.quiz says so instead of passing."""
+
+import ast
+import re
+
+import nbformat
+import pytest
+
+from course import ROOT, quiz
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+CALL = re.compile(r"quiz\.answers\(\s*\"([^\"]+)\"((?:[^()]|\([^()]*\))*)\)", re.S)
+
+
+def questions(path) -> list[tuple[str, list[str]]]:
+    """(question id, answer names) of each quiz.answers(...) call in a notebook."""
+    found = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code":
+            for qid, rest in CALL.findall(cell.source):
+                found.append((qid, re.findall(r"(\w+)\s*=", rest)))
+    return found
+
+
+def assigned_none(path) -> set[str]:
+    """Names that a code cell of the notebook sets to None at the top level (``NAME = None``)."""
+    names = set()
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code" or cell.source.lstrip().startswith(("%%", "!")):
+            continue
+        try:
+            tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is None:
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_check_yourself_starts_unanswered(path):
+    text = path.read_text()
+    if "Check yourself" not in text:
+        pytest.skip(f"{path.name} has no Check yourself")
+    asked = questions(path)
+    assert asked or "quiz.verdict" in text, f"{path.name}: its Check yourself does not go through course.quiz"
+    unanswered = assigned_none(path)
+    for qid, names in asked:
+        assert names, f"{path.name}: quiz.answers({qid!r}) checks no answer"
+        assert set(names) <= unanswered, f"{path.name}: {sorted(set(names) - unanswered)} do not start as None"
+        assert set(names) <= set(quiz.key(qid)), f"answer_key/{qid}.json lacks {sorted(set(names) - set(quiz.key(qid)))}"
+
+
+def test_an_unanswered_question_does_not_pass(monkeypatch, capsys):
+    monkeypatch.delenv("COURSE_ANSWER_KEY", raising=False)
+    assert quiz.answers("03", NPROC=None, BATCH_PER_RANK=32) is None
+    assert "Not answered yet: set NPROC" in capsys.readouterr().out
+    assert quiz.verdict(["the run used 1 process"], "never printed") is False
+    assert "Not yet: the run used 1 process" in capsys.readouterr().out
+
+
+def test_the_key_answers_and_a_failing_key_raises(monkeypatch):
+    monkeypatch.setenv("COURSE_ANSWER_KEY", "1")
+    got = quiz.answers("03", NPROC=None, BATCH_PER_RANK=None)
+    assert got is not None and vars(got) == quiz.key("03")
+    with pytest.raises(AssertionError, match="does not pass"):
+        quiz.verdict(["wrong"], "x")
