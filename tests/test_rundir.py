@@ -117,3 +117,23 @@ def test_the_launcher_publishes_a_run_only_when_it_succeeds(tmp_path):
 def test_a_launch_into_a_claimed_run_directory_is_refused_before_it_starts(tmp_path):
     with claim_run_dir(tmp_path / "run"), pytest.raises(RunDirBusy, match="in use by a live run"):
         launch("hello_distributed.py", 1, run_dir=tmp_path / "run", timeout=60)
+
+
+def test_runlog_claims_and_stages_by_itself_but_writes_straight_under_the_launcher(tmp_path, monkeypatch):
+    from course.runlog import RunLog
+
+    monkeypatch.delenv("COURSE_STAGED", raising=False)
+    log = RunLog(tmp_path / "plain", world_size=1)  # plain torchrun: its own claim and staging
+    with pytest.raises(RunDirBusy):
+        claim_run_dir(tmp_path / "plain")
+    assert list((tmp_path / "plain" / "in_progress").glob("events.*"))
+    log.finish(done=True)
+    assert json.loads((tmp_path / "plain" / "metrics.json").read_text())["done"] is True
+    published = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert published[0].startswith("events.out.tfevents.") and published[1:] == ["metrics.json"]  # no lock left
+    monkeypatch.setenv("COURSE_STAGED", "1")
+    with claim_run_dir(tmp_path / "staged"):  # the launcher holds it
+        log = RunLog(tmp_path / "staged" / "in_progress", world_size=1)
+        log.finish(done=True)
+    written = sorted(p.name for p in (tmp_path / "staged" / "in_progress").iterdir())
+    assert written[0].startswith("events.out.tfevents.") and written[1:] == ["metrics.json"]  # straight there
