@@ -52,11 +52,14 @@ def start_ranks(args, tmp_path, name, world_size=2):
 
 
 def test_bad_input_is_refused_before_training(datasets, tmp_path):
-    """A corrupt JPEG (next to a non-image file, which ImageFolder skips), an empty class folder, and weights of
-    another architecture for --pretrained: every rank exits with status 2 before training; rank 0 alone prints
-    one line naming the file; no rank prints a traceback."""
+    """A corrupt JPEG (next to a non-image file, which ImageFolder skips), an empty class folder, weights of
+    another architecture and a code-running legacy pickle for --pretrained: every rank exits with status 2 before
+    training, each printing the same one line naming the file (the launcher shows it once); no traceback, and no
+    torch warning about the pickle (issue 21 item 12)."""
+    import pickle
+
     cases = {}
-    for problem in ("corrupt_jpeg", "empty_class", "other_architecture"):
+    for problem in ("corrupt_jpeg", "empty_class", "other_architecture", "legacy_pickle"):
         data = tiny_flowers(datasets, tmp_path / problem / "flowers", per_class=4)
         args = ["--data-dir", data, "--epochs", 1]
         if problem == "corrupt_jpeg":  # a JPEG cut in half, and a file that is no image at all
@@ -67,18 +70,28 @@ def test_bad_input_is_refused_before_training(datasets, tmp_path):
         elif problem == "empty_class":
             (data / "lilies").mkdir()
             named = ["lilies"]
-        else:
+        elif problem == "other_architecture":
             weights = tmp_path / "resnet34.pth"
             torch.save(resnet("resnet34", 1000).state_dict(), weights)
             args += ["--pretrained", weights]
             named = ["resnet34.pth", "resnet18"]
+        else:
+            evil = tmp_path / "evil.pth"
+            evil.write_bytes(pickle.dumps(RunsCode(), protocol=4))
+            args += ["--pretrained", evil]
+            named = ["evil.pth", "is not a plain tensor checkpoint", "would run code"]
         cases[problem] = (named, start_ranks(args, tmp_path, problem))
     for problem, (named, ranks) in cases.items():
         (out0, err0), (out1, err1) = (rank.communicate(timeout=180) for rank in ranks)
         assert [rank.returncode for rank in ranks] == [2, 2], (problem, err0[-2000:], err1[-2000:])
         assert err0.startswith("error: ") and err0.count("\n") == 1, (problem, err0)
         assert all(name in err0 for name in named), (problem, err0)
-        assert err1 == "" and "epoch" not in out0 + out1, (problem, err1)
+        assert err1 == err0 and "epoch" not in out0 + out1, (problem, err1)
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this should never run",))
 
 
 def test_train_resume_summaries_and_predict(datasets, tmp_path):
@@ -146,6 +159,11 @@ def test_train_resume_summaries_and_predict(datasets, tmp_path):
     not_a_checkpoint.write_text("hello")
     out = predict(data / "roses", "--checkpoint", not_a_checkpoint)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "notes.pt" in out.stderr
+    legacy = tmp_path / "legacy.pt"  # a plain pickle that would call os.system: refused as such, without a warning
+    legacy.write_bytes(__import__("pickle").dumps({"model": RunsCode()}, protocol=4))
+    out = predict(data / "roses", "--checkpoint", legacy)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "is not a plain tensor checkpoint: loading it would run code" in out.stderr
 
 
 def test_global_batch_split_and_learning_rate_schedule():
