@@ -92,10 +92,10 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
         result = torchrun(RUNNER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
                           backend=backend, env={"COURSE_EXERCISE_OUT": str(work)}, timeout=timeout, check=False,
                           quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
-        code = result.returncode
-    except LaunchError:
-        code = None
-    output = "".join(lines)
+        code, output = result.returncode, result.output
+    except LaunchError as error:  # stopped at the wall-clock limit
+        code, output = None, getattr(error, "output", None) or "".join(lines)
+    output = output or "".join(lines)  # the whole output: the streamed lines fold repeats across ranks
     (work / "output.txt").write_text(output)
     records = {}
     for f in work.glob("runner_rank*.json"):
