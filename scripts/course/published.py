@@ -18,6 +18,12 @@ class Published(NamedTuple):
 
 
 PUBLISHED: dict[str, Published] = {
+    "megatron_tp_weak_scaling": Published(
+        "Megatron-LM v1.0 split GPT-2 models of 1.2, 2.0, 4.2 and 8.7 billion parameters over 1, 2, 4 and 8 GPUs "
+        "of one DGX-2H server with its intra-layer (tensor) model parallelism, batch size 8: iteration times of "
+        "1288, 1242, 1357 and 1508 ms, that is 90.7 %, 86.5 % and 79.6 % of linear weak scaling on 2, 4 and 8 GPUs",
+        "NVIDIA ADLR, MegatronLM's Supercharged V1.0, nv-adlr.github.io/MegatronLMV1, Table 1 (weak model "
+        "parallel scaling)"),
     "zero_model_states": Published(
         "a GPT-2-like model of 1.5 billion parameters trained with Adam in mixed precision needs at least 24 GB "
         "for its model states alone (16 bytes per parameter); with sequence length 1K and batch size 32 its "
