@@ -1,14 +1,21 @@
 # Written by notebooks/06_multinode_and_faults.ipynb - edit it there; running the notebook rewrites this file.
 """train_ddp.py that survives a crash: full checkpoints, exact resume, and a crash you can inject.
 
-    torchrun --standalone --nproc-per-node=2 --max-restarts=1 scripts/train_resumable.py --resume
-    COURSE_CRASH_AT_STEP=25 torchrun ... scripts/train_resumable.py --resume   # rank 1 crashes once at step 25
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 train_resumable.py --resume
+    COURSE_CRASH_AT_STEP=25 torchrun ... train_resumable.py --resume   # rank 1 crashes once at step 25
 
 Every change from train_ddp.py is marked "resume step N" (notebook 06).
+
+It needs what train_ddp.py needs, and course/checkpoint.py (read_checkpoint: a bad file in one message).
+Relative paths (--run-dir, --checkpoint) are relative to the working directory.
 """
 import argparse
+import json
 import os
 import random
+import statistics
+import sys
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -18,18 +25,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from course.args import nonnegative_int, positive_float, positive_int, repo_path
-from course.checkpoint import check_writable, read_checkpoint, save_checkpoint
-from course.data import build_datasets
-from course.errors import CourseError, record, reported_once
-from course.hardware import backend_for, pick_device
-from course.measure import StepTimer
+from course.checkpoint import read_checkpoint
+from course.data import DatasetError, build_datasets
+from course.errors import CourseError, record  # record: torch's @record, with an atomic error file
 from course.models import DEFAULT_MODEL, build_model
-from course.runlog import RunLog
 
 NAME = Path(__file__).stem
+
+
+def number(kind, low, strict=True):
+    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        return value
+    return parse
 
 
 def parse_args():
@@ -37,23 +54,68 @@ def parse_args():
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
     parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
-    parser.add_argument("--image-size", type=positive_int, default=64, help="flowers only: resized to this")
-    parser.add_argument("--epochs", type=positive_int, default=3)
-    parser.add_argument("--max-steps", type=nonnegative_int, default=0, help="stop after this many steps (0: none)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step, per process (DDP step 4)")
-    parser.add_argument("--lr", type=positive_float, default=0.05)
-    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--image-size", type=number(int, 0), default=64, help="flowers only: resized to this")
+    parser.add_argument("--epochs", type=number(int, 0), default=3)
+    parser.add_argument("--max-steps", type=number(int, 0, False), default=0, help="stop after this many steps (0: none)")
+    parser.add_argument("--batch-size", type=number(int, 0), default=64, help="samples per step, per process (DDP step 4)")
+    parser.add_argument("--lr", type=number(float, 0.0), default=0.05)
+    parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=positive_int, default=10, help="steps between logged losses")
-    parser.add_argument("--warmup-steps", type=nonnegative_int, default=3, help="first steps left out of samples/s")
-    parser.add_argument("--run-dir", type=repo_path, default=f"runs/{NAME}", help="TensorBoard events, metrics.json")
-    parser.add_argument("--checkpoint", type=repo_path, default=f"weights/{NAME}.pt")
+    parser.add_argument("--log-every", type=number(int, 0), default=10, help="steps between logged losses")
+    parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")
+    parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")
+    parser.add_argument("--checkpoint", type=Path, default=Path("weights", f"{NAME}.pt"))
     # resume step 1: how often to save, whether to continue from the checkpoint, and a fault to inject.
-    parser.add_argument("--save-every", type=positive_int, default=20, help="steps between checkpoints")
+    parser.add_argument("--save-every", type=number(int, 0), default=20, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
-    parser.add_argument("--crash-at-step", type=nonnegative_int, default=os.environ.get("COURSE_CRASH_AT_STEP", "0"),
+    parser.add_argument("--crash-at-step", type=number(int, 0, False), default=os.environ.get("COURSE_CRASH_AT_STEP", "0"),
                         help="rank 1 raises after this step, first attempt only (0: never; or COURSE_CRASH_AT_STEP)")
     return parser.parse_args()
+
+
+def fail(message):
+    """Bad input found before training: one "error: ..." line and exit status 2, as argparse does."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_writable(path):
+    """Refuse a checkpoint path that cannot be written now, naming the cause, not after an epoch of training."""
+    blocker = next((p for p in path.parents if p.is_file()), None)
+    if blocker:
+        fail(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        fail(f"cannot write the checkpoint {path}: {error.strerror}")
+
+
+def save_atomically(obj, path, save=torch.save):
+    """save(obj, file) into a temporary file, then rename it onto ``path``: a crash mid-write leaves the old
+    file whole. One temporary name per file, so the next save reuses whatever a killed writer left."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:  # a plain open: the file gets the user's umask, like torch.save(obj, path)
+        save(obj, f)
+    os.replace(tmp, path)  # atomic on POSIX and Windows
+
+
+def save_json(obj, f):
+    f.write(json.dumps(obj, indent=2).encode())
+
+
+def pick_device(local_rank, local_world_size):  # DDP step 2: (device, backend) for this rank
+    """An accelerator per process (<type>:local_rank) with PyTorch's backend for it (nccl for CUDA, xccl for XPU)
+    if there is one for every process on this machine and that backend carries its tensors; else the CPU and
+    gloo (so on a Mac, whose MPS device gloo cannot carry, ranks use the CPU). The rule of course.hardware.choose."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator and torch.accelerator.device_count() >= local_world_size:
+        backend = dist.Backend.default_device_backend_map.get(accelerator.type)
+        if accelerator.type in dist.Backend.backend_capability.get(backend, ()):
+            return torch.device(accelerator.type, local_rank), backend
+    return torch.device("cpu"), "gloo"
 
 
 class ResumableSampler(DistributedSampler):  # resume step 3: skip what was trained on, without loading it
@@ -102,16 +164,15 @@ def load_resume_state(path: Path, model: nn.Module, device: torch.device) -> dic
     return state
 
 
-def save_resume_state(path, log, loader_rng, **state):  # resume step 1
+def save_resume_state(path, history, writer, loader_rng, **state):  # resume step 1
     """Everything the next step depends on. Every rank calls it (each rank's random generators are
-    gathered); rank 0 alone writes, atomically (temporary file, fsync, rename)."""
+    gathered); rank 0 alone writes, atomically."""
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng_state(loader_rng))
     if dist.get_rank() == 0:
         # A GradScaler's state_dict() belongs here too when mixed precision uses one (notebook 05).
-        save_checkpoint({**state, "rng": rngs, "loss_history": log.loss_history,
-                         "world_size": dist.get_world_size()}, path)
-        log.flush()  # resume step 4: the curve up to this step is on disk before a crash can lose it
+        save_atomically({**state, "rng": rngs, "loss_history": history, "world_size": dist.get_world_size()}, path)
+        writer.flush()  # resume step 4: the curve up to this step is on disk before a crash can lose it
 
 
 @torch.no_grad()
@@ -129,34 +190,36 @@ def evaluate(model, loader, device):
 @record  # under torchrun, a crash shows this process's traceback instead of "error_file: <N/A>"
 def main():
     args = parse_args()
+    start = time.time()
     # DDP step 1: torchrun starts one process per device and tells each who it is.
     rank = int(os.environ["RANK"])  # global: unique across all machines; decides who logs and saves
     local_rank = int(os.environ["LOCAL_RANK"])  # on this machine only: decides which device
     world_size = int(os.environ["WORLD_SIZE"])  # how many processes in all
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # resume step 5: 0, then 1 after a restart
     # DDP step 2: bind the process to its own device *before* anything touches it (cpu without accelerators).
-    device = pick_device(local_rank)
+    device, backend = pick_device(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
     # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
-    with reported_once(rank):  # DDP step 5: checked before the process group exists; rank 0 reports
+    try:  # DDP step 5: checked on every rank before the process group exists, so every rank stops
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-        check_writable(args.checkpoint)  # not after an epoch of training
         # resume step 2: every rank loads the checkpoint onto its own device; a bad one stops all before training.
-        model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
+        model_name = args.model or DEFAULT_MODEL[args.dataset]
+        model = build_model(model_name, num_classes).to(device)
         resumed = load_resume_state(args.checkpoint, model, device) if args.resume and args.checkpoint.exists() else None
-        log = RunLog(args.run_dir, enabled=rank == 0, script=NAME, world_size=world_size,  # DDP step 5
-                     backend=backend_for(device), device=str(device), batch_per_rank=args.batch_size,
-                     global_batch=args.batch_size * world_size, lr=args.lr,
-                     dataset=args.dataset, model=args.model or DEFAULT_MODEL[args.dataset],
-                     resume_step=resumed["step"] if resumed else None)  # resume step 4: continue the curve
+    except (DatasetError, CourseError) as error:  # resume step 2: a bad checkpoint is bad input too
+        fail(error)
+    check_writable(args.checkpoint)  # not after an epoch of training
+    # resume step 4: continue the curve: TensorBoard drops the events a failed attempt logged after the checkpoint.
+    purge = resumed["step"] + 1 if resumed else None
+    writer = SummaryWriter(args.run_dir, purge_step=purge) if rank == 0 else None  # DDP step 5: one writer
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # resume step 5: see notebook 06
     if rank == 0 and restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         print("warning: a restarted gloo group may read the dead workers' addresses from torchrun's shared store; "
               "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", flush=True)
-    dist.init_process_group(backend_for(device))  # DDP step 1: join the others (nccl for GPUs, gloo for CPUs)
+    dist.init_process_group(backend)  # DDP step 1: join the others (nccl for GPUs, gloo for CPUs)
     # DDP step 4: each rank reads its own 1/world_size of the data (same seeded permutation, every
     # world_size-th index); validation is split without padding so that no image is counted twice.
     sampler = ResumableSampler(train_set, seed=args.seed)  # resume step 3
@@ -185,12 +248,14 @@ def main():
     print(f"rank {rank} (local rank {local_rank}) on {device}, attempt {attempt}", flush=True)  # resume step 5
 
     # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
-    timer = StepTimer(args.warmup_steps, sync=torch.accelerator.synchronize if device.type != "cpu" else None)
+    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None  # a GPU runs ahead of Python
+    durations, timed_samples = [], 0
     running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
-    step, train_loss, first_epoch, correct, total = 0, float("nan"), 0, 0, 0  # resume step 2: or as saved
+    step, train_loss, history = 0, float("nan"), []
+    first_epoch, correct, total = 0, 0, 0  # resume step 2: or as saved
 
     def save(epoch, sampler_skip):  # resume step 1: the state after this step, for the step that comes next
-        save_resume_state(args.checkpoint, log, loader_rng, model=model.module.state_dict(),
+        save_resume_state(args.checkpoint, history, writer, loader_rng, model=model.module.state_dict(),
                           optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(), epoch=epoch,
                           sampler_skip=sampler_skip, step=step, running=running.cpu(), train_loss=train_loss,
                           val_counts=(correct, total))
@@ -201,19 +266,20 @@ def main():
         first_epoch, sampler.skip, step = resumed["epoch"], resumed["sampler_skip"], resumed["step"]
         running, train_loss = resumed["running"].to(device), resumed["train_loss"]
         correct, total = resumed["val_counts"]
-        log.loss_history = [tuple(pair) for pair in resumed["loss_history"]]  # resume step 4
+        history = [tuple(pair) for pair in resumed["loss_history"]]  # resume step 4
         if len(resumed["rng"]) == world_size:  # resume step 3 (another world size: the seeded generators)
             set_rng_state(resumed["rng"][rank], loader_rng)
         print(f"rank {rank}: resumed from {args.checkpoint.name} onto {device}: epoch {first_epoch}, step {step}, "
               f"skipping {sampler.skip} samples (saved by {resumed['world_size']} ranks)", flush=True)
-    for epoch in range(first_epoch, args.epochs):
+    for epoch in range(first_epoch, args.epochs):  # resume step 2
         if args.max_steps and step >= args.max_steps:  # resume step 3: resumed after its last step: nothing to do
             break
         sampler.set_epoch(epoch)  # DDP step 4: a new shuffle each epoch (the same on every rank)
         # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
         steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
         bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90, disable=rank != 0)  # DDP step 5
-        timer.start()
+        sync()
+        last = time.perf_counter()
         for i, (images, labels) in enumerate(bar):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(model(images), labels)
@@ -227,8 +293,15 @@ def main():
                 dist.all_reduce(running)  # DDP step 5: summed over ranks, so the logged loss is the global mean
                 train_loss = (running[0] / running[1]).item()  # the mean of the steps since the last log
                 running.zero_()
-                log.scalar("train/loss", train_loss, step)
-            timer.tick(len(labels))
+                if rank == 0:  # DDP step 5
+                    writer.add_scalar("train/loss", train_loss, step)
+                    history.append((step, train_loss))
+            sync()
+            now = time.perf_counter()
+            if step > args.warmup_steps:
+                durations.append(now - last)
+                timed_samples += len(labels)
+            last = now
             if step % args.save_every == 0 and i + 1 < steps:  # resume step 1: mid-epoch checkpoint
                 save(epoch, sampler.skip + (i + 1) * args.batch_size * world_size)
             if step == args.crash_at_step and rank == 1 and attempt == 0:  # resume step 5: the injected fault
@@ -237,23 +310,31 @@ def main():
         counts = evaluate(model, val_loader, device)
         dist.all_reduce(counts)  # DDP step 5: exact global accuracy = summed counts of all ranks
         correct, total = counts.tolist()
-        log.scalar("val/accuracy", correct / total, step)
-        if rank == 0:  # DDP step 5
+        if rank == 0:  # DDP step 5: one writer; save the unwrapped model, so keys carry no "module." prefix
+            writer.add_scalar("val/accuracy", correct / total, step)
             print(f"epoch {epoch}: step {step}, train loss {train_loss:.4f}, "
                   f"val accuracy {correct / total:.4f} ({correct}/{total})", flush=True)
-        whole = steps == len(train_loader)  # resume step 1: after validation; where the next step starts
+        whole = steps == len(train_loader)  # resume step 1: after validation, on every rank; where the next step starts
         save(epoch + 1 if whole else epoch, 0 if whole else sampler.skip + steps * args.batch_size * world_size)
         sampler.skip = 0  # resume step 3: the next epoch starts at its beginning
         if step == args.max_steps:
             break
 
-    metrics = log.finish(steps=step, **timer.summary(world_size),  # DDP step 5: samples/s summed over ranks
-                         final_train_loss=train_loss, val_accuracy=correct / total, val_correct=correct,
-                         val_total=total)
-    rate, timed = metrics["samples_per_s"], metrics["timed_steps"]
-    speed = f"{rate:.0f} samples/s ({timed} timed steps)" if rate is not None else "no step timed after the warm-up"
+    # DDP step 5: samples/s summed over ranks (each timed its own steps of the same length)
+    rate = timed_samples * world_size / sum(durations) if durations else None
+    metrics = {"script": NAME, "world_size": world_size, "backend": backend, "device": str(device),
+               "batch_per_rank": args.batch_size, "global_batch": args.batch_size * world_size, "lr": args.lr,
+               "dataset": args.dataset, "model": model_name, "steps": step, "samples_per_s": rate,
+               "timed_steps": len(durations), "warmup_steps": min(args.warmup_steps, step),
+               "step_time_median_s": statistics.median(durations) if durations else None,
+               "final_train_loss": train_loss, "val_accuracy": correct / total, "val_correct": correct,
+               "val_total": total, "wall_time_s": round(time.time() - start, 3), "train_loss_history": history,
+               "resume_step": resumed["step"] if resumed else None}  # resume step 4
     if rank == 0:  # DDP step 5
-        print(f"done: {speed}, val accuracy {metrics['val_accuracy']:.4f}", flush=True)
+        writer.close()
+        save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
+        speed = f"{rate:.0f} samples/s ({len(durations)} timed steps)" if rate else "no step timed after the warm-up"
+        print(f"done: {speed}, val accuracy {correct / total:.4f}", flush=True)
     dist.destroy_process_group()  # DDP step 1: leave the group cleanly
 
 

@@ -294,7 +294,7 @@ def test_malicious_pickle_is_refused_naming_the_file(tmp_path, resumable):
 
     evil = tmp_path / "evil.pt"
     torch.save({"model": {}, "sampler_skip": 0, "x": Payload()}, evil)
-    with pytest.raises(CourseError, match=r"evil\.pt asks to run code .*weights_only=True refuses .*system"):
+    with pytest.raises(CourseError, match=r"evil\.pt .*would run code .*system.*refused"):
         resumable.load_resume_state(evil, build_model("mlp", 10), torch.device("cpu"))
     assert not (tmp_path / "pwned").exists(), "the payload must never run"
 
@@ -325,7 +325,8 @@ def test_resuming_from_a_corrupt_checkpoint_overwrites_nothing(datasets, tmp_pat
     result = launch("train_resumable.py", 2, [*MNIST, "--resume", "--checkpoint", corrupt], run_dir=run_dir,
                     check=False, timeout=240, **QUIET)
     errors = [line for line in result.output.splitlines() if "error:" in line]
-    assert len(errors) == 1, errors  # rank 0 reports; rank 1 exits quietly with the same status
+    # every rank stops before the process group with the same one line (the launcher shows it once)
+    assert 1 <= len(errors) <= 2 and len({re.sub(r"^\[rank\d+\]:", "", line) for line in errors}) == 1, errors
     assert all(f"checkpoint {corrupt} is corrupt or truncated" in line for line in errors)
     assert re.search(r"exitcode\s*: 2\b", result.output)
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in kept} == before, "nothing overwritten"
