@@ -30,6 +30,21 @@ PUBLISHED: dict[str, Published] = {
         "activations need about 60 GB more, about 8 GB with activation checkpointing",
         "Rajbhandari et al., ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, SC 2020 "
         "(arXiv:1910.02054), section 3"),
+    "gpipe_bubble": Published(
+        "GPipe's authors found the bubble overhead negligible in their experiments once the number of "
+        "micro-batches M is at least 4 times the number of pipeline stages K (M >= 4 x K)",
+        "Huang et al., GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism, NeurIPS 2019 "
+        "(arXiv:1811.06965), section 2.3"),
+    "interleaved_1f1b": Published(
+        "the interleaved pipeline schedule (several smaller stages per GPU) improves throughput by 10+% with a "
+        "memory footprint comparable to existing schedules, on GPU clusters training GPT models",
+        "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
+        "SC 2021 (arXiv:2104.04473), abstract"),
+    "zero_bubble": Published(
+        "splitting the backward into input-gradient and weight-gradient passes and scheduling the weight "
+        "gradients into the bubble accelerates training by up to 30% with a similar memory consumption",
+        "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024 (arXiv:2401.10241); the figure as the authors' "
+        "project page (huggingface.co/spaces/sail/zero-bubble-pipeline-parallellism) states it"),
 }
 
 

@@ -1,0 +1,147 @@
+# Written by notebooks/11_pipeline_parallel.ipynb - edit it there; running the notebook rewrites this file.
+"""A 2-stage pipeline by hand: the small GPT cut in two, activations sent forward, gradients sent back.
+
+    torchrun --nproc-per-node=2 scripts/pp_by_hand.py
+
+Part 1: one batch through the pipeline (dist.send / dist.recv), gradients checked against one process.
+Part 2: GPipe: the batch cut into micro-batches, all forwards then all backwards, each micro-batch's loss
+divided by their number; the gradients checked again, then a few AdamW steps (losses and weights).
+Every rank also builds the whole model and computes the one-process reference itself.
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from course.gpt import GPT, GPTConfig, loss_fn
+from course.gpt_stages import GPTStage
+from course.lm_data import load_lm_data
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="AdamW steps in part 2")
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--run-dir", default="runs/pp_by_hand")
+    return parser.parse_args()
+
+
+def pick_device(local_rank):
+    """accelerator:local_rank when there is one for every process on this machine, else the CPU (gloo)."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    if acc is not None and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        backend = dist.get_default_backend_for_device(acc.type)
+        if acc.type in dist.Backend.backend_capability.get(backend, ()):
+            return torch.device(acc.type, local_rank)
+    return torch.device("cpu")
+
+
+def pipeline_step(stage, x, y, microbatches, act_shape, device):
+    """GPipe on 2 ranks: every micro-batch forward, then every micro-batch backward. Returns the loss (last stage)."""
+    rank = dist.get_rank()
+    inputs, outputs = [], []
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):  # all forwards
+        if rank == 0:
+            out = stage(xm)
+            dist.send(out.detach(), dst=1)  # activations forward
+        else:
+            h = torch.empty(act_shape, device=device)
+            dist.recv(h, src=0)
+            h.requires_grad_()  # so that backward gives us the gradient to send back
+            out = loss_fn(stage(h), ym) / microbatches  # the mean over micro-batches = the batch's mean
+            inputs.append(h)
+        outputs.append(out)
+    loss = 0.0
+    for i in reversed(range(microbatches)):  # all backwards, last micro-batch first
+        if rank == 0:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, src=1)  # the gradient of the loss with respect to our output
+            outputs[i].backward(grad)
+        else:
+            outputs[i].backward()
+            dist.send(inputs[i].grad, dst=0)  # gradients back
+            loss += outputs[i].item()
+    return loss
+
+
+def max_diff(stage, reference) -> float:
+    """Largest difference between this stage's gradients and the one-process model's, by name."""
+    ref = dict(reference.named_parameters())
+    return max((p.grad - ref[name].grad).abs().max().item() for name, p in stage.named_parameters())
+
+
+def main():
+    args = parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = pick_device(local_rank)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(local_rank)
+    dist.init_process_group(dist.get_default_backend_for_device(device.type))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != 2:
+        raise SystemExit("pp_by_hand.py runs on exactly 2 processes (one stage each)")
+    data = load_lm_data()
+    cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer)
+    torch.manual_seed(0)
+    stage = GPTStage(GPT(cfg), rank, world_size).to(device)  # this rank's half
+    torch.manual_seed(0)
+    reference = GPT(cfg).to(device)  # the whole model, for the check
+    x, y = (t.to(device) for t in data.batch("train", 0, args.batch_size))
+    loss_fn(reference(x), y).backward()
+
+    # Part 1: one batch, no micro-batches (one rank is always idle: it waits for the other)
+    loss1 = pipeline_step(stage, x, y, 1, (args.batch_size, cfg.block_size, cfg.n_embd), device)
+    one_batch = max_diff(stage, reference)
+    stage.zero_grad(set_to_none=True)
+
+    # Part 2: GPipe over micro-batches, then a few optimizer steps on both
+    m = args.microbatches
+    if args.batch_size % m:
+        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}")
+    act_shape = (args.batch_size // m, cfg.block_size, cfg.n_embd)
+    pipeline_step(stage, x, y, m, act_shape, device)
+    gpipe = max_diff(stage, reference)
+    opt, ref_opt = (torch.optim.AdamW(mod.parameters(), lr=3e-3) for mod in (stage, reference))
+    losses, ref_losses = [], []
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in data.batch("train", step, args.batch_size))
+        opt.zero_grad(set_to_none=True)
+        losses.append(pipeline_step(stage, x, y, m, act_shape, device))
+        opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+    ref = dict(reference.named_parameters())
+    weights = max((p - ref[name]).abs().max().item() for name, p in stage.named_parameters())
+
+    mine = {"rank": rank, "params": [n for n, _ in stage.named_parameters()], "one_batch_grad_diff": one_batch,
+            "gpipe_grad_diff": gpipe, "weight_diff": weights, "losses": losses, "ref_losses": ref_losses,
+            "first_loss": loss1}
+    every = [None] * world_size
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        for r in every:
+            print(f"rank {r['rank']}: {len(r['params'])} tensors ({r['params'][0]} ... {r['params'][-1]}); "
+                  f"largest gradient difference from one process: one batch {r['one_batch_grad_diff']:.1e}, "
+                  f"GPipe x{m} {r['gpipe_grad_diff']:.1e}; weights after {args.steps} steps {r['weight_diff']:.1e}",
+                  flush=True)
+        last = every[-1]
+        print("losses, pipeline:   " + " ".join(f"{v:.6f}" for v in last["losses"]), flush=True)
+        print("losses, 1 process:  " + " ".join(f"{v:.6f}" for v in last["ref_losses"]), flush=True)
+        path = Path(args.run_dir) / "metrics.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"script": "pp_by_hand", "world_size": world_size, "device": str(device),
+                                    "microbatches": m, "batch_size": args.batch_size, "steps": args.steps,
+                                    "ranks": every}, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
