@@ -18,7 +18,7 @@ def rows(exercises: list, results: Results) -> list[dict]:
     for ex in exercises:
         entry = results.data["exercises"].get(ex.key, {})
         out.append({"exercise": ex.key, "title": ex.title, "status": entry.get("status", "not tried"),
-                    "checks": entry.get("checks", 0), "last result": entry.get("symptom", "").split("\n")[0],
+                    "checks": entry.get("checks", 0), "last result": entry.get("symptom", "").split("\n")[0].rstrip(":"),
                     "when": entry.get("when", "").replace("T", " ")})
     return out
 
