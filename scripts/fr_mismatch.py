@@ -40,7 +40,7 @@ def main():
         else:
             dist.broadcast(x, src=0)  # ... and rank 1 the other
     except RuntimeError as error:
-        print(f"rank {rank}: {str(error).splitlines()[0][-90:]}", flush=True)
+        print(f"rank {rank}: {str(error).splitlines()[0].split('] ', 1)[-1]}", flush=True)  # gloo's text, no path
     folder = args.run_dir / "flight_recorder"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"trace_{rank}"
