@@ -9,7 +9,7 @@ import pytest
 from course import ROOT, quiz
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CALL = re.compile(r"quiz\.answers\(\s*\"([^\"]+)\"((?:[^()]|\([^()]*\))*)\)", re.S)
+CALL = re.compile(r"quiz\.answers\(\s*\"([^\"]+)\"((?:[^()]|\([^()]*\))*)\)", re.DOTALL)
 
 
 def questions(path) -> list[tuple[str, list[str]]]:
