@@ -7,7 +7,8 @@
 Rank 0 runs GPipe: it sends every micro-batch's activations, then receives every gradient. Rank 1 answers each
 micro-batch at once: receive, compute, send the gradient back. A gloo send waits until the other side
 receives, so rank 0 waits in "send activations of micro-batch 1" while rank 1 waits in "send gradient of
-micro-batch 0": each waits for a receive the other never posts. Each rank says which operation it was in.
+micro-batch 0": each waits for a receive the other never posts. The first rank to time out closes the
+connection, so the other may report that instead; each rank says which operation it was in.
 """
 import argparse
 import time
@@ -51,7 +52,7 @@ def main():
     except RuntimeError as error:
         print(f"rank {rank}: stopped after {args.timeout:g} s while in: {doing} "
               f"(gloo: {str(error).splitlines()[0].split('] ')[-1]})", flush=True)
-        time.sleep(args.timeout)  # let the other rank's own timeout report too (a real job would just exit)
+        time.sleep(2)  # let the other rank report too before torchrun ends it (a real job would just exit)
         raise SystemExit(1)
     print(f"rank {rank}: all {args.microbatches} micro-batches done", flush=True)
     dist.destroy_process_group()

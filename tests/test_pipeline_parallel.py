@@ -128,3 +128,19 @@ def test_exercise_8_stub_is_unsolved_without_running():
 
     verdict = static_check(SCRIPTS / EXERCISES["8"].script)
     assert verdict is not None and verdict.diagnosis == "gaps" and verdict.symptom.count("\n") == 3
+
+
+def test_a_send_without_its_receive_is_ended_by_the_timeout_naming_each_rank():
+    result = launch("pitfall_pp_hang.py", nproc=2, timeout=120, check=False, **QUIET)
+    assert result.returncode != 0 and result.failure
+    stopped = {line.split("rank ", 1)[1][:1]: line for line in result.output.splitlines() if "stopped after" in line}
+    assert set(stopped) == {"0", "1"}, result.output[-2000:]
+    assert "send activations of micro-batch 1" in stopped["0"] and "send gradient of micro-batch 0" in stopped["1"]
+    assert any("Timed out" in line for line in stopped.values())  # the other may see the connection closed
+
+
+def test_unequal_micro_batches_leave_stale_rows_and_the_header_fixes_it():
+    bad = launch("pitfall_pp_shapes.py", nproc=2, timeout=120, check=False, **QUIET)
+    assert bad.returncode != 0 and "rank 0 sent 6 samples, buffer of 8, 2 never written" in bad.output
+    good = launch("pitfall_pp_shapes.py", nproc=2, args=["--fix"], timeout=120, **QUIET)
+    assert "rank 0 sent 6 samples, buffer of 6, 0 never written" in good.output and "never written" in good.output
