@@ -1,0 +1,98 @@
+# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+"""Save a distributed checkpoint (DCP) on one mesh shape and continue from it on another.
+
+    torchrun --nproc-per-node=4 scripts/dcp_reshape.py --save ckpt            # 2 x 2: train, save, train on
+    torchrun --nproc-per-node=2 scripts/dcp_reshape.py --load ckpt --dp 1     # 1 x 2: load, train on
+    torchrun --nproc-per-node=1 scripts/dcp_reshape.py --load ckpt --dp 1     # one process: load, train on
+
+The model is train_2d.py's (FSDP2 over "dp" x TP over "tp"). Each rank writes only its own shards of the
+model and the optimizer, with a description of where each piece sits in the whole tensor; a loading rank
+asks for the pieces of its own (new) shards, so the checkpoint does not depend on the mesh that wrote it.
+Every shape then continues with the same steps: their losses are the checkpoint's proof.
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from course.gpt import GPT, GPTConfig, loss_fn
+from course.lm_data import load_lm_data
+from train_2d import loss_context, pick_device, shard_model  # the same model and plan as train_2d.py
+
+
+def train(model, optimizer, data, steps, args, mesh, device):
+    """Steps `steps` (a range) of train_2d.py's loop; returns the whole batch's loss at each."""
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh.size(0)
+    losses = []
+    for step in steps:
+        x, y = (t.to(device) for t in data.batch("train", step, args.batch_size, 0))
+        rows = slice(dp_rank * args.batch_size // dp, (dp_rank + 1) * args.batch_size // dp)
+        with loss_context(args):
+            loss = loss_fn(model(x[rows]), y[rows])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        optimizer.step()
+        whole = torch.tensor(loss.item(), dtype=torch.float64, device=device)
+        dist.all_reduce(whole, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
+        losses.append(whole.item())
+    return losses
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--save", help="train --steps, save the checkpoint here, then train --steps more")
+    parser.add_argument("--load", help="load the checkpoint from here, then train --steps more")
+    parser.add_argument("--dp", type=int, default=2, help="size of 'dp'; 'tp' gets the rest of the ranks")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--run-dir", default="runs/dcp_reshape")
+    args = parser.parse_args()
+    if bool(args.save) == bool(args.load):
+        parser.error("give exactly one of --save and --load")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = pick_device(local_rank)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(local_rank)
+    dist.init_process_group(dist.get_default_backend_for_device(device.type))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    data = load_lm_data()
+    cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size)
+    args.layout, args.sequence_parallel = "2d", False  # train_2d.py's defaults
+    model = shard_model(GPT(cfg).to(device), mesh, args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    before, steps = [], args.steps
+    if args.save:
+        before = train(model, optimizer, data, range(steps), args, mesh, device)
+        model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: this rank's shards + their places
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=args.save)  # every rank writes its part
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)  # the shapes this mesh wants
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=args.load)  # each rank reads the pieces of its own shards
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    after = train(model, optimizer, data, range(steps, 2 * steps), args, mesh, device)
+    if rank == 0:
+        metrics = {"script": "dcp_reshape", "mode": "save" if args.save else "load", "world_size": world_size,
+                   "mesh": {"dp": mesh.size(0), "tp": mesh.size(1)}, "losses_before": before, "losses_after": after,
+                   "checkpoint_files": sorted(p.name for p in Path(args.save or args.load).iterdir())}
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.run_dir) / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=2))
+        os.replace(tmp, Path(args.run_dir) / "metrics.json")
+        shape = f"{mesh.size(0)} x {mesh.size(1)}"
+        print(f"{metrics['mode']} on {shape}: losses after the checkpoint " + ", ".join(f"{v:.6f}" for v in after),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

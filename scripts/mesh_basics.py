@@ -1,0 +1,51 @@
+# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+"""A 2-D device mesh with named dimensions: which ranks talk to which on each dimension, read from the mesh.
+
+    torchrun --nproc-per-node=4 scripts/mesh_basics.py     # ("dp", "tp") = 2 x 2
+
+A mesh is the ranks arranged in a grid; each dimension gets a name and its own process groups. The ranks
+in one row share a "tp" group, the ranks in one column a "dp" group. A collective on mesh["tp"] runs
+inside the row only; one on mesh["dp"] inside the column only.
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=int, default=2, help="size of the first dimension; 'tp' gets the rest")
+    parser.add_argument("--run-dir", default="runs/mesh_basics")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
+    me = {"rank": rank, "coordinate": mesh.get_coordinate()}
+    for name in ("dp", "tp"):
+        sub = mesh[name]  # a 1-D sub-mesh: this rank and the others along that dimension
+        me[name] = sub.mesh.tolist()  # the global ranks in this rank's group on that dimension
+        total = torch.tensor([rank])
+        dist.all_reduce(total, group=sub.get_group())  # runs inside that group only
+        me[f"sum_of_ranks_on_{name}"] = total.item()
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, me)
+    if rank == 0:
+        print(f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}:\n{mesh.mesh}", flush=True)
+        for r in everyone:
+            print(f"rank {r['rank']} at {r['coordinate']}: talks to {r['dp']} on 'dp' (all_reduce of ranks = "
+                  f"{r['sum_of_ranks_on_dp']}), to {r['tp']} on 'tp' (= {r['sum_of_ranks_on_tp']})", flush=True)
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.run_dir) / "metrics.json.tmp"
+        tmp.write_text(json.dumps({"script": "mesh_basics", "mesh": mesh.mesh.tolist(),
+                                   "names": list(mesh.mesh_dim_names), "ranks": everyone}, indent=2))
+        os.replace(tmp, Path(args.run_dir) / "metrics.json")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
