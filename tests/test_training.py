@@ -275,7 +275,8 @@ def test_a_successful_save_leaves_no_temporary_of_killed_writers(saver, tmp_path
               "    def __reduce__(self):\n"
               "        os.kill(os.getpid(), 9)\n"
               "save = save_checkpoint if sys.argv[1] == 'course.checkpoint' else train_single.save_atomically\n"
-              "save({'w': torch.ones(1000), 'slow': Slow()}, sys.argv[2])\n")
+              "from pathlib import Path\n"
+              "save({'w': torch.ones(1000), 'slow': Slow()}, Path(sys.argv[2]))  # the scripts pass a Path\n")
     for _ in range(2):
         killed = subprocess.run([sys.executable, "-c", writer, saver, str(path), str(SCRIPTS)],
                                 timeout=120, check=False)

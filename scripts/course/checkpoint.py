@@ -129,7 +129,8 @@ def read_checkpoint(path: str | Path, device: torch.device | str = "cpu"):
         with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4 in the checkpoint", once per rank
             warnings.simplefilter("ignore", UserWarning)
             return load_checkpoint(path, device)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError) as error:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as error:
+        # (IndexError: torch's weights_only unpickler reading past the end of a truncated legacy file)
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
         code = [line.split("GLOBAL ", 1)[1].split(" ")[0] for line in lines if "GLOBAL " in line]
         code = code or pickled_calls(in_repo(path))  # a legacy pickle: torch only says "Unsupported operand"
