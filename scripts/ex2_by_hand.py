@@ -1,5 +1,5 @@
 # Written by notebooks/09_build_it_yourself.ipynb - edit it there; running the notebook rewrites this file.
-# ruff: noqa: PIE790 - a stub: `...` marks the gaps you fill in
+# ruff: noqa: F401, PIE790, RUF059 - a stub: `...` marks the gaps you fill in; some names are used then
 """Exercise 2: data parallelism by hand, without DistributedDataParallel.
 
     torchrun --standalone --nproc-per-node=2 scripts/ex2_by_hand.py
@@ -7,7 +7,7 @@
 Every rank trains a copy of a small MLP on its share of each global batch. For the copies to stay identical,
 and equal to one process training on the whole batch, (a) they must start from the same weights and (b) each
 step must apply the same gradient: the average over the ranks of their gradients.
-Fill in the two gaps marked `...  # TODO`; the check compares both ranks with one process after every step.
+Fill in the gaps marked `...  # TODO`; the check compares both ranks with one process after every step.
 """
 import argparse
 import os
@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from course.exercise_tasks import Trace, mlp, regression_data
-from course.hardware import backend_for, pick_device
 
 
 def parse_args():
@@ -45,9 +44,9 @@ def average_gradients(model, world_size):
 
 def main():
     args = parse_args()
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = pick_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = ...  # TODO (c): its accelerator number local_rank if each process has one, else the CPU
+    ...  # TODO (c): join the group: that device's backend, timeout=timedelta(seconds=args.timeout)
     data = regression_data(args.steps * args.batch_size, seed=args.seed)
     torch.manual_seed(args.seed + rank)  # each rank seeds differently (as for augmentation): its own weights
     model = mlp(8, 32, 32, 1).to(device)

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from course.exercise_tasks import Trace, mlp, regression_data
-from course.hardware import backend_for, pick_device
 
 
 def parse_args():
@@ -46,9 +45,18 @@ def average_gradients(model, world_size):
 
 def main():
     args = parse_args()
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = pick_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=args.timeout))
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    # (c) One device per process: the accelerator's device local_rank when there is one per process here
+    # and its backend can carry it (MPS: no), else the CPU; the device's backend (exercise 1's lines).
+    accelerator = torch.accelerator.current_accelerator()  # cuda, xpu, mps, ... or None
+    backend = dist.get_default_backend_for_device(accelerator) if accelerator else "gloo"
+    if accelerator and accelerator.type in dist.Backend.backend_capability.get(backend, ()) \
+            and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device(accelerator.type, local_rank)
+        torch.accelerator.set_device_index(local_rank)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     data = regression_data(args.steps * args.batch_size, seed=args.seed)
     torch.manual_seed(args.seed + rank)  # each rank seeds differently (as for augmentation): its own weights
     model = mlp(8, 32, 32, 1).to(device)
