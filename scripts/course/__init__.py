@@ -13,17 +13,26 @@ Used by the training scripts (import only what a training process needs):
 - ``course.notebook``    ``in_notebook()``: the one rule for "am I running in a Jupyter kernel?"
 - ``course.quiz``        "Check yourself" questions that start unanswered (keys in ``course/answer_key/``)
 - ``course.exercise_tasks`` data, models and a step recorder for notebook 09's exercise scripts
-- ``course.capstone``    the capstone's ResNets, weight loading, image check and figures (notebook 07)
+- ``course.capstone``    the capstone's weight loading and image check (notebook 07)
+- ``course.gpt``         the small GPT of notebooks 10-12; ``course.lm_data``  its generated arithmetic data
+- ``course.gpt_stages``  the GPT cut into pipeline stages; ``course.pp_recorder``  what each stage did (notebook 11)
+- ``course.comm_count``  collectives and bytes a piece of code runs, counted and predicted (notebooks 10, 12)
+- ``course.rundir``      one live run per run directory (an atomic claim), results replaced all at once
 Used by notebooks and tests:
-- ``course.datagen``     generate the offline datasets (``make data``)
+- ``course.datagen``     generate the offline datasets (``make data``); ``course.flower_art`` draws one flower
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
 - ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
 - ``course.scriptdiff``  the diff between two scripts, checked for step markers
 - ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
+- ``course.machine_report`` (00), ``course.ring_view`` (02), ``course.pitfall_jobs`` and ``course.spawn_capture``
+  (04, 04b), ``course.scaling_model`` (05), ``course.flight_recorder`` (06), ``course.capstone_figures`` (07),
+  ``course.shard_figures`` (08), ``course.bubble`` (11): one notebook's plumbing or drawings each
+- ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
 - ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
-- ``course.bench_launcher``  benchmark: the launcher's wall time against bare torchrun (``make bench``)
+- ``course.bench_launcher`` / ``course.bench_noise``  benchmarks (``make bench``): the launcher's overhead, and no
+  faster/slower verdict for equal work on a busy machine
 """
 
 import os
