@@ -82,6 +82,9 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
         job_env[RESTART_ENV] = "1"
         plan_line += f"; restarts on: {RESTART_ENV}=1 (a fresh rendezvous store for each attempt)"
     job_env.update(env or {})
+    if job_env["OMP_NUM_THREADS"] != str(chosen.threads_per_rank):  # the caller's env decides: say what runs
+        plan_line = plan_line.replace(f"{chosen.threads_per_rank} CPU thread(s) per rank",
+                                      f"{job_env['OMP_NUM_THREADS']} CPU thread(s) per rank (OMP_NUM_THREADS given)")
     emit = on_line or _print_line
     staged = None
     if run_dir is not None:
