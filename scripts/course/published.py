@@ -18,6 +18,17 @@ class Published(NamedTuple):
 
 
 PUBLISHED: dict[str, Published] = {
+    "ddp_near_linear": Published(
+        "evaluations show that, when configured appropriately, PyTorch's distributed data parallel module "
+        "attains near-linear scalability using 256 GPUs",
+        "Li et al., PyTorch Distributed: Experiences on Accelerating Data Parallel Training, VLDB 2020 "
+        "(arXiv:2006.15704), abstract"),
+    "nvidia_smi_topo": Published(
+        "on an 8-GPU server each GPU showed NV1 or NV2 (one or two bonded NVLinks) to four of the other GPUs and "
+        "SOC (PCIe plus the link between the CPU sockets) to the other three; on a 4-GPU PCIe server, PHB (through "
+        "the CPU's host bridge) between the two GPUs of a socket and SOC across the sockets",
+        "nvidia-smi topo -m outputs published in 'GPU topology examples', "
+        "gist.github.com/ashwin/e139748bdba15f5af63f0146d01ee4c3 (2017)"),
     "megatron_tp_weak_scaling": Published(
         "Megatron-LM v1.0 split GPT-2 models of 1.2, 2.0, 4.2 and 8.7 billion parameters over 1, 2, 4 and 8 GPUs "
         "of one DGX-2H server with its intra-layer (tensor) model parallelism, batch size 8: iteration times of "
