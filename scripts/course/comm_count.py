@@ -13,7 +13,9 @@ A ``TorchDispatchMode`` sees every collective that goes through PyTorch's dispat
 alike, in the forward and in the backward (the autograd engine runs under the same mode). The bytes
 counted are those of the whole tensor the collective produces or reduces (all-reduce: the tensor;
 all-gather: the gathered output; reduce-scatter: the input before scattering): the size the
-formulas of the notebook use. ``bytes_sent`` turns them into what one rank sends in a ring (``course.sharding.SENT``).
+formulas of the notebook use. Each record also keeps the process group it ran on (``groups``), so that
+``summary(group=...)`` gives one mesh dimension's share (notebook 12: ``mesh.get_group("shard").group_name``);
+an all-gather's output is its input times that group's size. ``bytes_sent`` turns them into what one rank sends in a ring (``course.sharding.SENT``).
 ``predict_block`` and ``predict_tp_step`` give the formulas' prediction for the small GPT, to set beside
 the count (``same_counts``).
 """
@@ -27,16 +29,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course.sharding import SENT
 
-# op name in the dispatcher -> (kind, how the whole tensor's size follows from the input's)
+# op name in the dispatcher -> (kind, which tensor is the whole one: 1 the first tensor argument, "group" the
+# first times the group's size (an all-gather's input), "second" the second (c10d ops: output, then input))
 _KINDS = {
     "all_reduce": ("all-reduce", 1), "allreduce_": ("all-reduce", 1),
-    "all_gather_into_tensor": ("all-gather", "group"), "_allgather_base_": ("all-gather", "group"),
+    "all_gather_into_tensor": ("all-gather", "group"), "_allgather_base_": ("all-gather", 1),
     "allgather_": ("all-gather", "group"),
-    "reduce_scatter_tensor": ("reduce-scatter", 1), "_reduce_scatter_base_": ("reduce-scatter", 1),
+    "reduce_scatter_tensor": ("reduce-scatter", 1), "_reduce_scatter_base_": ("reduce-scatter", "second"),
     "broadcast": ("broadcast", 1), "broadcast_": ("broadcast", 1),
-    "all_to_all_single": ("all-to-all", 1), "alltoall_base_": ("all-to-all", 1),
+    "all_to_all_single": ("all-to-all", 1), "alltoall_base_": ("all-to-all", "second"),
 }
 _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+def _group(args) -> tuple[str | None, int | None]:
+    """(name, size) of the process group a collective runs on, read from its arguments: plain c10d ops carry
+    the group itself, functional collectives its name. (None, None) when neither is there."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and a._type().name().endswith("ProcessGroup"):
+            group = dist.ProcessGroup.unbox(a)
+            return group.group_name, group.size()
+    names = [a for a in args if isinstance(a, str)]
+    if names:
+        group = _resolve_process_group(names[-1])
+        return group.group_name, group.size()
+    return None, None
 
 
 def _first_tensor(args):
@@ -57,6 +77,7 @@ class CollectiveCounter(TorchDispatchMode):
 
         self.world_size = world_size or dist.get_world_size()
         self.records: list[tuple[str, str, int]] = []
+        self.groups: list[str | None] = []  # the process group's name of each record
         self._phase = None
 
     @contextmanager
@@ -76,16 +97,22 @@ class CollectiveCounter(TorchDispatchMode):
         op = rest.split(".")[0]
         if ns in _NAMESPACES and op in _KINDS and self._phase is not None:
             kind, factor = _KINDS[op]
-            t = _first_tensor(args)
+            t = _first_tensor(args[1:] if factor == "second" else args)
             if t is not None:
                 size = t.numel() * t.element_size()
-                self.records.append((self._phase, kind, size * (self.world_size if factor == "group" else 1)))
+                name, group_size = _group(args)
+                self.records.append((self._phase, kind, size * ((group_size or self.world_size) if factor == "group"
+                                                                else 1)))
+                self.groups.append(name)
         return func(*args, **kwargs)
 
-    def summary(self) -> dict:
-        """{phase: {kind: [calls, bytes]}}, phases and kinds in the order first seen."""
+    def summary(self, group: str | None = None) -> dict:
+        """{phase: {kind: [calls, bytes]}}, phases and kinds in the order first seen; with ``group`` (a process
+        group's name) only the collectives that ran on that group."""
         out: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-        for phase, kind, size in self.records:
+        for (phase, kind, size), name in zip(self.records, self.groups):
+            if group is not None and name != group:
+                continue
             out[phase][kind][0] += 1
             out[phase][kind][1] += size
         return {p: {k: list(v) for k, v in kinds.items()} for p, kinds in out.items()}

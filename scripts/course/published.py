@@ -56,6 +56,18 @@ PUBLISHED: dict[str, Published] = {
         "gradients into the bubble accelerates training by up to 30% with a similar memory consumption",
         "Qi et al., Zero Bubble Pipeline Parallelism, ICLR 2024 (arXiv:2401.10241); the figure as the authors' "
         "project page (huggingface.co/spaces/sail/zero-bubble-pipeline-parallellism) states it"),
+    "megatron_3d": Published(
+        "composing tensor, pipeline and data parallelism, training iterations on a model with 1 trillion "
+        "parameters ran at 502 petaFLOP/s on 3072 GPUs, a per-GPU throughput of 52% of theoretical peak",
+        "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
+        "SC 2021 (arXiv:2104.04473), abstract"),
+    "torchtitan_composed": Published(
+        "stacking training optimizations on NVIDIA H100 GPUs gave accelerations of 65.08% with 1D parallelism at "
+        "the 128-GPU scale (Llama 3.1 8B), an additional 12.59% with 2D parallelism at the 256-GPU scale (Llama "
+        "3.1 70B), and an additional 30% with 3D parallelism at the 512-GPU scale (Llama 3.1 405B), over "
+        "optimized baselines",
+        "Liang et al., TorchTitan: One-stop PyTorch native solution for production ready LLM pre-training, "
+        "arXiv:2410.06511 (2024), abstract"),
 }
 
 

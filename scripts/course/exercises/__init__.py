@@ -53,7 +53,7 @@ from course.exercises.running import LAUNCH_TIMEOUT_S, static_check
 from course.notebook import in_notebook
 
 MODULES = ("ex1_convert", "ex2_by_hand", "ex3_sampler", "ex4_overlap", "ex5_zero1", "ex6_debug", "ex7_tp",
-           "ex8_pipeline")
+           "ex8_pipeline", "ex9_experts")
 
 EXERCISES: dict[str, Exercise] = {
     ex.key: ex for name in MODULES for ex in importlib.import_module(f"course.exercises.{name}").EXERCISES}

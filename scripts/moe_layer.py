@@ -1,4 +1,4 @@
-# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+# Written by notebooks/12_composed_parallelism.ipynb - edit it there; running the notebook rewrites this file.
 """A small mixture-of-experts layer with expert parallelism: each rank holds one expert, and every token
 travels to the rank of the expert its router picked (all_to_all_single, uneven splits) and back.
 
@@ -15,42 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single  # differentiable: backward sends back
 
 from course.comm_count import CollectiveCounter
-
-
-class Expert(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class MoE(nn.Module):
-    """Top-1 routing: token t goes to expert argmax(router(t)), its output is scaled by that expert's probability."""
-
-    def __init__(self, width, n_experts):
-        super().__init__()
-        self.router = nn.Linear(width, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(width) for _ in range(n_experts))
-
-    def route(self, x):
-        probs = self.router(x).softmax(-1)
-        gate, expert = probs.max(-1)
-        return gate, expert
-
-    def forward(self, x):  # one process: every expert is here
-        gate, expert = self.route(x)
-        out = torch.zeros_like(x)
-        for e, layer in enumerate(self.experts):
-            mine = expert == e
-            out[mine] = layer(x[mine])
-        return gate[:, None] * out
+from course.hardware import backend_for, pick_device
+from course.moe import moe_layer, moe_tokens  # the layer (router + experts) and each rank's tokens
 
 
 def expert_parallel(moe, x, rank, world_size):
@@ -74,13 +43,14 @@ def main():
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--run-dir", default="runs/moe_layer")
     args = parser.parse_args()
-    dist.init_process_group("gloo")  # small CPU tensors; the lesson is the exchange, not the speed
+    device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend_for(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same layer on every rank; each rank then keeps only its expert's work
-    moe = MoE(args.width, n_experts=world_size)
-    x = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(100 + rank))  # its own tokens
-    x.requires_grad_()  # as in a network: the layer before wants its gradient
-    target = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(200 + rank))
+    moe = moe_layer(world_size, seed=0, width=args.width).to(device)  # the same layer on every rank
+    x = moe_tokens(rank, args.tokens, width=args.width).to(device).requires_grad_()  # this rank's own tokens
+    target = moe_tokens(rank, args.tokens, width=args.width, offset=200).to(device)
 
     counter = CollectiveCounter(world_size)
     with counter.phase("forward"):
@@ -104,11 +74,11 @@ def main():
     diffs = {"output": (whole[here] - y).abs().max().item(), "input_grad": (every.grad[here] - x_grad).abs().max().item(),
              "router_grad": (moe.router.weight.grad - router_grad).abs().max().item(),
              "expert_grads": max((p.grad - mine[n]).abs().max().item() for n, p in moe.experts[rank].named_parameters())}
-    worst = torch.tensor(max(diffs.values()))
+    worst = torch.tensor(max(diffs.values()), device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
 
-    splits = [torch.zeros(world_size, dtype=torch.long) for _ in range(world_size)]
-    dist.all_gather(splits, torch.tensor(sent))
+    splits = [torch.zeros(world_size, dtype=torch.long, device=device) for _ in range(world_size)]
+    dist.all_gather(splits, torch.tensor(sent, device=device))
     summary = counter.summary()
     row = args.width * x.element_size()  # one token's activations, in bytes
     # counted: the tensor each all-to-all is given; dispatch gets this rank's tokens, combine its expert's outputs

@@ -1,4 +1,4 @@
-# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+# Written by notebooks/12_composed_parallelism.ipynb - edit it there; running the notebook rewrites this file.
 """A 2-D device mesh with named dimensions: which ranks talk to which on each dimension, read from the mesh.
 
     torchrun --nproc-per-node=4 scripts/mesh_basics.py     # ("dp", "tp") = 2 x 2
@@ -16,20 +16,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.hardware import backend_for, pick_device
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=int, default=2, help="size of the first dimension; 'tp' gets the rest")
     parser.add_argument("--run-dir", default="runs/mesh_basics")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(backend_for(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
     me = {"rank": rank, "coordinate": mesh.get_coordinate()}
     for name in ("dp", "tp"):
         sub = mesh[name]  # a 1-D sub-mesh: this rank and the others along that dimension
+        me[f"group_{name}"] = sub.get_group().group_name  # the process group's name, as the counter records it
         me[name] = sub.mesh.tolist()  # the global ranks in this rank's group on that dimension
-        total = torch.tensor([rank])
+        total = torch.tensor([rank], device=device)
         dist.all_reduce(total, group=sub.get_group())  # runs inside that group only
         me[f"sum_of_ranks_on_{name}"] = total.item()
     everyone = [None] * world_size

@@ -1,4 +1,4 @@
-# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+# Written by notebooks/12_composed_parallelism.ipynb - edit it there; running the notebook rewrites this file.
 """Train the course's small GPT on a 2-D device mesh: FSDP2 x TP, or HSDP (replicate x shard).
 
     torchrun --nproc-per-node=4 scripts/train_2d.py                  # ("dp", "tp") = 2 x 2: TP inside, FSDP2 across
@@ -26,6 +26,7 @@ from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import load_lm_data
 
 NAME = Path(__file__).stem
+SHOWN = ("blocks.0.mlp.fc.weight", "blocks.0.ln1.weight", "tok_emb.weight")  # 2D step 2: placements recorded
 
 
 def parse_args():
@@ -148,6 +149,10 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     writer = SummaryWriter(args.run_dir) if rank == 0 else None  # TP step 5: rank 0 writes
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    placements = {name: {"placements": [str(pl) for pl in p.placements],  # 2D step 2: one per mesh dimension
+                         "mesh": list(p.device_mesh.mesh_dim_names), "shape": list(p.shape),  # 2D step 2
+                         "local_shape": list(p.to_local().shape)}  # 2D step 2
+                  for name, p in model.named_parameters() if name in SHOWN}  # 2D step 2
     if rank == 0:  # TP step 5
         print(f"{NAME}: {args.layout} mesh {dict(zip(names, mesh.shape))}, {model.num_params():,} parameters, "  # 2D step 1
               f"{local:,} on rank 0 ({device}, {dist.get_backend()}), {data.name}, batch {args.batch_size}", flush=True)
@@ -185,6 +190,7 @@ def main():
     save_json({"script": NAME, "world_size": world_size, "device": str(device), "config": cfg.to_dict(),
                "layout": args.layout, "mesh": dict(zip(names, mesh.shape)),  # 2D step 1
                "sequence_parallel": args.sequence_parallel, "params_per_rank": local,  # TP step 5
+               "placements_rank0": placements,  # 2D step 2
                "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
                "params": model.num_params(), "losses": losses, "val_loss": val_loss,
                "val_accuracy": val_accuracy, "train_seconds": seconds}, Path(args.run_dir) / "metrics.json")

@@ -1,4 +1,4 @@
-# For notebooks/12_composed_parallelism.ipynb (not written yet): when it exists, a %%writefile cell there writes this file.
+# Written by notebooks/12_composed_parallelism.ipynb - edit it there; running the notebook rewrites this file.
 """Save a distributed checkpoint (DCP) on one mesh shape and continue from it on another.
 
     torchrun --nproc-per-node=4 scripts/dcp_reshape.py --save ckpt            # 2 x 2: train, save, train on

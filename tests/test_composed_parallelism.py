@@ -1,0 +1,77 @@
+"""Notebook 12, what its headless run does not already prove: exercise 9's checker on its solution and on its
+classic mistakes, the stub unsolved without running, the marked diff train_tp.py -> train_2d.py, the layout
+chooser (course.choose), the counter's per-group records (course.comm_count) and the mixture-of-experts layer.
+
+The notebook itself (tests/test_notebooks.py runs it headless) asserts FSDP2 x TP = one process, HSDP = one
+process with the bytes on each mesh dimension counted = predicted, the DCP checkpoint moved 2 x 2 -> 1 process,
+the expert layer = one process with its bytes counted = predicted, and the mesh's groups."""
+
+import pytest
+import torch
+from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
+
+from course import SCRIPTS
+from course.choose import layouts, pick
+from course.comm_count import _KINDS
+from course.exercises import EXERCISES
+from course.moe import moe_layer, moe_tokens
+from course.scriptdiff import script_diff
+from course.sharding import model_states, predict
+
+
+def test_train_2d_is_train_tp_plus_marked_steps():
+    diff = script_diff("train_tp.py", "train_2d.py", marker=r"2D step (\d)")
+    assert diff.steps == {1, 2, 3, 4} and not diff.unmarked, diff.unmarked
+
+
+def test_chooser_uses_notebook_08s_formulas_and_prefers_less_network_traffic():
+    psi = 7e9
+    rows = {r.name: r for r in layouts(psi, gpu_gb=80, gpus_per_node=8, nodes=4)}
+    assert list(rows) == ["DDP", "HSDP", "FSDP2", "FSDP2 x TP"]
+    assert rows["DDP"].gb_per_gpu * 1e9 == model_states(predict(psi, 32)["DDP"]) == 16 * psi
+    assert rows["HSDP"].gb_per_gpu == pytest.approx(16 * psi / 8 / 1e9)
+    assert rows["FSDP2"].gb_per_gpu == pytest.approx(16 * psi / 32 / 1e9)
+    assert not rows["DDP"].fits and rows["HSDP"].fits
+    # HSDP: only 1/8 of the gradients cross nodes, in an all-reduce over the 4 nodes
+    assert rows["HSDP"].inter_bytes == pytest.approx(2 * 3 / 4 * 4 * psi / 8)
+    assert rows["FSDP2"].inter_bytes == pytest.approx(3 * 31 / 32 * 4 * psi)
+    assert pick(list(rows.values())).name == "HSDP"
+    one_node = layouts(1e9, 80, 8, 1)
+    assert pick(one_node).name == "DDP" and all(r.inter_bytes == 0 for r in one_node)
+    big = layouts(70e9, 80, 8, 16)
+    assert pick(big).name == "FSDP2 x TP"  # HSDP does not fit; TP keeps FSDP's traffic 8x smaller across nodes
+    assert pick(layouts(2e12, 80, 8, 2)) is None
+
+
+def test_counter_takes_c10d_ops_whole_tensor_from_the_right_argument():
+    # c10d ops take (output, input): the all-gather's whole tensor is its output, the reduce-scatter's its input
+    assert _KINDS["_allgather_base_"] == ("all-gather", 1)
+    assert _KINDS["_reduce_scatter_base_"] == ("reduce-scatter", "second")
+    assert _KINDS["all_gather_into_tensor"] == ("all-gather", "group")  # functional: the input x group size
+
+
+def test_moe_layer_is_the_same_on_every_rank_and_routes_unevenly():
+    a, b = moe_layer(4, seed=0), moe_layer(4, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    x = torch.cat([moe_tokens(r, 32) for r in range(4)])
+    _, expert = a.route(x)
+    counts = torch.bincount(expert, minlength=4)
+    assert counts.sum() == 128 and len(set(counts.tolist())) > 1
+    assert not torch.equal(moe_tokens(0, 8), moe_tokens(1, 8))
+
+
+def test_exercise_9_solution_passes_and_its_mistakes_are_named(run_check):
+    assert run_check("9", path=EXERCISES["9"].solution).status == "pass"
+    swapped = mutate("9", ("all_to_all_single(x[order], recv_splits, send_splits",
+                           "all_to_all_single(x[order], send_splits, recv_splits"))
+    result = run_check("9", swapped)
+    assert result.diagnosis == "splits" and "line" in result.symptom, result.symptom
+    unsorted = mutate("9", ("out = torch.empty_like(back).index_copy(0, order, back)", "out = back"))
+    assert run_check("9", unsorted).diagnosis == "combine-order"
+
+
+def test_exercise_9_stub_is_unsolved_without_running():
+    from course.exercises.running import static_check
+
+    verdict = static_check(SCRIPTS / EXERCISES["9"].script)
+    assert verdict is not None and verdict.diagnosis == "gaps" and verdict.symptom.count("\n") == 4
