@@ -7,14 +7,21 @@ Plain functions (``from conftest import ...``, e.g. in tests/browser_helpers.py)
 - ``wait_until(condition, timeout, what, poll=0.2)``: ``condition()``'s first truthy value, else the test
   fails naming what was awaited
 - ``run(script, nproc, args, run_dir, **launch_options)``: a quiet ``course.launcher.launch``
+- ``executed_notebook(stem)``: the notebook run headless once per test session, as ``make course`` runs it;
+  tests assert on what that one run printed and wrote rather than running its scripts again
 """
 
+import json
+import os
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
 
-from course import ROOT
+from course import ROOT, RUNS, WEIGHTS
 
 
 def processes_with(fragment: str, env: dict | None = None) -> list[psutil.Process]:
@@ -59,6 +66,71 @@ def run(script, nproc, args, run_dir, timeout: float = 600, **kw):
 
     return launch(script, nproc=nproc, args=[str(a) for a in args], run_dir=run_dir, timeout=timeout,
                   on_line=lambda _: None, quiet=True, **kw)
+
+
+@dataclass
+class NotebookRun:
+    """One headless run of a notebook (quick mode, Check yourself answered from its key) and what it left."""
+
+    stem: str
+    ok: bool
+    seconds: float
+    error: str
+    executed: Path  # the executed copy, outputs included
+    started: float  # time.time() when the run began: files older than this were not written by it
+
+    def require_ok(self):
+        if not self.ok:
+            pytest.fail(f"notebook {self.stem} failed headless (its own test shows where):\n{self.error[-2000:]}")
+        return self
+
+    def written(self, path: Path) -> Path:
+        self.require_ok()
+        assert path.is_file() and path.stat().st_mtime >= self.started - 1, f"{path} was not written by this run"
+        return path
+
+    def metrics(self, run: str) -> dict:
+        """metrics.json of the notebook's run ``run`` (runs/<stem>/<run>/metrics.json), written by this run."""
+        return json.loads(self.written(RUNS / self.stem / run / "metrics.json").read_text())
+
+    def weights(self, name: str) -> Path:
+        return self.written(WEIGHTS / self.stem / name)
+
+    def output(self) -> str:
+        """Everything the notebook's cells printed, in order."""
+        import nbformat
+
+        nb = nbformat.read(self.executed, as_version=4)
+        texts = []
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                texts.append(out.get("text", "") or "".join(out.get("data", {}).get("text/plain", "")))
+        return "\n".join(texts)
+
+
+_EXECUTED: dict[str, NotebookRun] = {}
+
+
+def executed_notebook(stem: str) -> NotebookRun:
+    """Notebook ``notebooks/<stem>.ipynb`` executed headless once per session (the first caller pays, a few
+    minutes), as `make course QUICK=1` runs it. Its runs go where the notebook puts them (runs/<stem>/...)."""
+    if stem not in _EXECUTED:
+        from course.datagen import ensure_datasets
+        from course.run_notebooks import execute
+
+        ensure_datasets(quiet=True)
+        out = Path(tempfile.mkdtemp(prefix=f"course-notebook-{stem}-"))
+        env = {"COURSE_QUICK": "1", "COURSE_ANSWER_KEY": "1"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the kernel inherits this process's environment
+        started = time.time()
+        try:
+            ok, seconds, error = execute(ROOT / "notebooks" / f"{stem}.ipynb", out_dir=out)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        _EXECUTED[stem] = NotebookRun(stem, ok, seconds, error, out / f"{stem}.ipynb", started)
+    return _EXECUTED[stem]
 
 
 @pytest.fixture(name="find_processes")

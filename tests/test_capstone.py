@@ -13,7 +13,6 @@ import torch
 
 from course import SCRIPTS, import_script
 from course.capstone import read_images, resnet
-from course.errors import CourseError
 from course.inline_tensorboard import read_scalars
 from course.launcher import launch
 

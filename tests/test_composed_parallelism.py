@@ -1,13 +1,13 @@
-"""Notebook 12, what its headless run does not already prove: exercise 9's checker on its solution and on its
-classic mistakes, the stub unsolved without running, the marked diff train_tp.py -> train_2d.py, the layout
-chooser (course.choose), the counter's per-group records (course.comm_count) and the mixture-of-experts layer.
-
-The notebook itself (tests/test_notebooks.py runs it headless) asserts FSDP2 x TP = one process, HSDP = one
-process with the bytes on each mesh dimension counted = predicted, the DCP checkpoint moved 2 x 2 -> 1 process,
-the expert layer = one process with its bytes counted = predicted, and the mesh's groups."""
+"""Notebook 12. Read from its own headless run (conftest.executed_notebook, shared with tests/test_notebooks.py):
+FSDP2 x TP and HSDP = one process, HSDP's bytes per mesh dimension counted = predicted, the DCP checkpoint moved
+2 x 2 -> 1 process, the expert layer = one process with its bytes counted = predicted. With no launch or runs of
+their own: exercise 9's checker on its solution and on its classic mistakes (mutants the notebook never runs), the
+stub unsolved without running, the marked diff train_tp.py -> train_2d.py, the layout chooser (course.choose),
+the counter's per-group records (course.comm_count) and the mixture-of-experts layer."""
 
 import pytest
 import torch
+from conftest import executed_notebook
 from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
 
 from course import SCRIPTS
@@ -75,3 +75,44 @@ def test_exercise_9_stub_is_unsolved_without_running():
 
     verdict = static_check(SCRIPTS / EXERCISES["9"].script)
     assert verdict is not None and verdict.diagnosis == "gaps" and verdict.symptom.count("\n") == 4
+
+
+# ----------------------------------------------- read from notebook 12's own headless run (no launch of their own)
+
+
+@pytest.fixture(scope="module")
+def notebook():
+    return executed_notebook("12_composed_parallelism").require_ok()
+
+
+@pytest.mark.parametrize("name", ["2d", "hsdp"])
+def test_composed_layouts_train_the_same_model_as_one_process(notebook, name):
+    single, composed = notebook.metrics("lm"), notebook.metrics(name)
+    lm_state = torch.load(notebook.weights("lm.pt"))
+    state = torch.load(notebook.weights(f"{name}.pt"))
+    assert composed["world_size"] == 4 and len(composed["losses"]) == len(single["losses"]) >= 8
+    assert max(abs(a - b) for a, b in zip(single["losses"], composed["losses"])) < 1e-5
+    assert set(state) == set(lm_state)
+    assert max((lm_state[k] - state[k]).abs().max().item() for k in lm_state) < 3e-4
+    assert composed["params_per_rank"] < composed["params"]
+
+
+def test_hsdp_bytes_per_mesh_dimension_counted_equal_the_prediction(notebook):
+    hb = notebook.metrics("hsdp_bytes")
+    assert set(hb["counted"]) == {"shard", "replicate"} and hb["counted"] == hb["predicted"]
+    assert hb["other_groups"] == 0
+    assert hb["counted"]["replicate"]["backward"]["all-reduce"][1] == 2 * hb["params"]  # half the fp32 gradients
+
+
+def test_dcp_checkpoint_continues_the_same_on_another_mesh_shape(notebook):
+    saved, one = notebook.metrics("dcp_save"), notebook.metrics("dcp_1")
+    assert saved["world_size"] == 4 and one["world_size"] == 1
+    assert max(abs(a - b) for a, b in zip(saved["losses_after"], one["losses_after"])) < 1e-5
+    assert saved["losses_after"][0] < saved["losses_before"][0]
+
+
+def test_expert_layer_equals_one_process_and_its_bytes_the_prediction(notebook):
+    moe = notebook.metrics("moe")
+    assert moe["max_difference_all_ranks"] < 1e-5 and moe["counted"] == moe["predicted"]
+    assert all(sum(row) == moe["tokens_per_rank"] for row in moe["splits"])
+    assert len({n for row in moe["splits"] for n in row}) > 1  # uneven splits

@@ -4,6 +4,7 @@ import re
 
 import nbformat
 import pytest
+from conftest import executed_notebook
 
 from course import ROOT, SCRIPTS
 
@@ -64,17 +65,14 @@ def test_scripts_and_tests_pass_ruff():
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes_headless(path, datasets, tmp_path, monkeypatch):
+def test_notebook_executes_headless(path, datasets):
     """Run the notebook as `make course` does (quick mode, Check yourself answered from its key); any cell that
-    raises fails the test, a key that no longer passes too."""
-    monkeypatch.setenv("COURSE_QUICK", "1")
-    monkeypatch.setenv("COURSE_ANSWER_KEY", "1")
-    from course.run_notebooks import execute
-
-    ok, seconds, error = execute(path, out_dir=tmp_path)
-    assert ok, error[-4000:]
-    executed = nbformat.read(tmp_path / path.name, as_version=4)
+    raises fails the test, a key that no longer passes too. The run is shared: tests of a notebook's proofs read
+    what this same run wrote (conftest.executed_notebook) instead of launching its scripts again."""
+    run = executed_notebook(path.stem)
+    assert run.ok, run.error[-4000:]
+    executed = nbformat.read(run.executed, as_version=4)
     for cell in executed.cells:
         for output in cell.get("outputs", []):
             assert output.output_type != "error", f"error output in {path.name}"
-    print(f"{path.name}: {seconds:.0f} s")
+    print(f"{path.name}: {run.seconds:.0f} s")

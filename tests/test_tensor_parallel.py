@@ -1,29 +1,31 @@
 """Notebook 10: the small GPT and its data, tensor parallelism by hand (= the unsplit layers), train_tp.py on
 2 gloo ranks = train_lm.py on one (losses of every step, final parameters), the collectives of a step
-counted = the formulas' prediction, and the marked diff between the two scripts."""
+counted = the formulas' prediction, and the marked diff between the two scripts. The launched facts are read
+from notebook 10's own headless run (conftest.executed_notebook: one run per session, shared with
+tests/test_notebooks.py), not from launching its scripts again; exercise 7's checker gets runs of its own, on
+mutated solutions the notebook never runs."""
 
 import json
 
 import pytest
 import torch
+from conftest import executed_notebook
 from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
 
 from course.comm_count import predict_tp_step, same_counts
 from course.exercises import EXERCISES
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.launcher import launch
 from course.lm_data import IGNORE, load_lm_data
 from course.scriptdiff import script_diff
 
-QUIET = {"on_line": lambda _: None, "quiet": True}
 LOSS_TOL = 1e-5  # what notebook 10 states for fp32: losses of every step
 PARAM_TOL = 3e-4  # every final parameter (absolute) after the same AdamW steps at lr 3e-3 (a tenth of one step's
 # largest move): AdamW divides a gradient by its own running size, so a unit whose gradient is ~0 moves on noise
-STEPS = 12
 
 
-def run(script, nproc, args, run_dir):
-    return launch(script, nproc=nproc, args=[str(a) for a in args], run_dir=run_dir, timeout=300, **QUIET)
+@pytest.fixture(scope="module")
+def notebook():
+    return executed_notebook("10_tensor_parallel").require_ok()
 
 
 def test_arithmetic_data_is_deterministic_and_counts_only_the_answer():
@@ -59,25 +61,20 @@ def test_gpt_widths_divide_over_2_and_4_ranks():
         GPTConfig(n_embd=30, n_head=4)
 
 
-def test_layers_split_by_hand_equal_the_unsplit_ones(tmp_path):
-    metrics = run("tp_by_hand.py", 2, [], tmp_path / "hand").metrics
+def test_layers_split_by_hand_equal_the_unsplit_ones(notebook):
+    metrics = notebook.metrics("by_hand")
     assert metrics["world_size"] == 2 and metrics["max_difference_all_ranks"] < 1e-5
     assert set(metrics["differences_rank0"]) >= {"output", "input_grad", "fc.weight_grad", "proj.weight_grad"}
     assert metrics["params_per_rank"] < 33088  # each rank holds about half of the MLP
 
 
-@pytest.fixture(scope="module")
-def one_and_two(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    args = ["--steps", STEPS, "--log-every", STEPS]
-    single = run("train_lm.py", 1, [*args, "--save", root / "lm.pt"], root / "lm")
-    tp = run("train_tp.py", 2, [*args, "--sequence-parallel", "--save", root / "tp.pt"], root / "tp")
-    return single.metrics, tp.metrics, torch.load(root / "lm.pt"), torch.load(root / "tp.pt")
-
-
-def test_tensor_parallel_trains_the_same_model_as_one_process(one_and_two):
-    single, tp, lm_state, tp_state = one_and_two
-    assert tp["world_size"] == 2 and tp["sequence_parallel"] and len(tp["losses"]) == len(single["losses"]) == STEPS
+@pytest.mark.parametrize("name", ["proof_tp", "proof_tp_sp"])
+def test_tensor_parallel_trains_the_same_model_as_one_process(notebook, name):
+    single, tp = notebook.metrics("proof_lm"), notebook.metrics(name)
+    lm_state = torch.load(notebook.weights("proof_lm.pt"))
+    tp_state = torch.load(notebook.weights(f"{name}.pt"))
+    assert tp["world_size"] == 2 and tp["sequence_parallel"] == name.endswith("_sp")
+    assert len(tp["losses"]) == len(single["losses"]) >= 10
     assert max(abs(a - b) for a, b in zip(single["losses"], tp["losses"])) < LOSS_TOL
     assert single["losses"][-1] < single["losses"][0]  # it learns
     assert set(lm_state) == set(tp_state)
@@ -93,8 +90,8 @@ def test_train_tp_is_train_lm_plus_marked_steps():
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_collectives_counted_equal_the_prediction(tmp_path, sequence_parallel):
-    metrics = run("tp_costs.py", 2, ["--sequence-parallel"] if sequence_parallel else [], tmp_path).metrics
+def test_collectives_counted_equal_the_prediction(notebook, sequence_parallel):
+    metrics = notebook.metrics("costs_sp" if sequence_parallel else "costs")
     cfg, tokens = metrics["config"], metrics["tokens"]
     assert same_counts(predict_tp_step(cfg["n_layer"], tokens, cfg["n_embd"], sequence_parallel), metrics["step"])
     assert same_counts(metrics["predicted_block"], metrics["block"]), json.dumps(metrics["block"])
