@@ -21,7 +21,7 @@ from course.scriptdiff import script_diff
 
 QUIET = {"on_line": lambda _: None, "quiet": True}
 GRAD_TOL = 1e-6  # fp32 gradients: micro-batches only change the order of the sums
-LOSS_TOL = 1e-5  # what notebook 11 states for fp32: losses of every step
+LOSS_TOL = 1e-4  # what notebook 11 states for fp32 over its 60 steps: losses of every step
 PARAM_TOL = 1e-4  # every final parameter (absolute): AdamW turns rounding in a tiny gradient into up to lr
 
 
@@ -82,14 +82,16 @@ def test_pipeline_trains_the_same_model_as_one_process(notebook):
 
 def test_every_schedule_matches_one_process_and_the_formula(notebook):
     rows = {r["config"]: r for r in summarise(notebook.metrics("schedules"))}
-    assert {"gpipe m=2", "gpipe m=4", "1f1b m=2", "1f1b m=4", "interleaved1f1b m=4", "zerobubble m=4"} <= set(rows)
+    most = max(r["m"] for r in rows.values())  # the interleaved schedules run at the largest m only
+    assert {"gpipe m=2", "gpipe m=4", "1f1b m=2", "1f1b m=4", f"interleaved1f1b m={most}",
+            f"zerobubble m={most}"} <= set(rows)
     for row in rows.values():
         assert row["grad_diff"] < GRAD_TOL, row
         assert len(row["step_ms"]) >= 5
         if row["schedule"] != "zerobubble":  # the recorded order, replayed, has the predicted bubble
             assert row["replayed"] == pytest.approx(row["predicted"], abs=0.01), row
         assert row["measured"] >= row["replayed"] - 0.02  # real time only adds idle (waits, Python)
-    assert rows["zerobubble m=4"]["replayed"] < rows["interleaved1f1b m=4"]["replayed"]
+    assert rows[f"zerobubble m={most}"]["replayed"] < rows[f"interleaved1f1b m={most}"]["replayed"]
     for m in (2, 4):
         gpipe, one = rows[f"gpipe m={m}"], rows[f"1f1b m={m}"]
         assert gpipe["in_flight"] == {0: m, 1: m}
