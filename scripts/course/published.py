@@ -29,6 +29,13 @@ PUBLISHED: dict[str, Published] = {
         "the CPU's host bridge) between the two GPUs of a socket and SOC across the sockets",
         "nvidia-smi topo -m outputs published in 'GPU topology examples', "
         "gist.github.com/ashwin/e139748bdba15f5af63f0146d01ee4c3 (2017)"),
+    "nccl_debug_info": Published(
+        "with NCCL_DEBUG=INFO each line starts with host:pid:thread and the device index, then 'NCCL INFO' and "
+        "what NCCL chose: which network plugin it loaded and assigned to the communicator (InfiniBand in its "
+        "example), which network it uses, and whether DMA-BUF is available on the GPU; with VERSION it prints "
+        "only the NCCL and CUDA versions",
+        "NVIDIA, NCCL User Guide, Troubleshooting: Logging, 'Example Output' "
+        "(docs.nvidia.com/deeplearning/nccl/user-guide/docs/troubleshooting/logging.html)"),
     "megatron_tp_weak_scaling": Published(
         "Megatron-LM v1.0 split GPT-2 models of 1.2, 2.0, 4.2 and 8.7 billion parameters over 1, 2, 4 and 8 GPUs "
         "of one DGX-2H server with its intra-layer (tensor) model parallelism, batch size 8: iteration times of "
