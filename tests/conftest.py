@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -120,15 +121,9 @@ def executed_notebook(stem: str) -> NotebookRun:
 
         ensure_datasets(quiet=True)
         out = Path(tempfile.mkdtemp(prefix=f"course-notebook-{stem}-"))
-        env = {"COURSE_QUICK": "1", "COURSE_ANSWER_KEY": "1"}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # the kernel inherits this process's environment
         started = time.time()
-        try:
+        with mock.patch.dict(os.environ, {"COURSE_QUICK": "1", "COURSE_ANSWER_KEY": "1"}):  # the kernel inherits it
             ok, seconds, error = execute(ROOT / "notebooks" / f"{stem}.ipynb", out_dir=out)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         _EXECUTED[stem] = NotebookRun(stem, ok, seconds, error, out / f"{stem}.ipynb", started)
     return _EXECUTED[stem]
 

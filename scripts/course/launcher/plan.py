@@ -33,9 +33,12 @@ class Plan:
             env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on a GPU box: keep every rank on the CPU
         return env
 
-    def line(self) -> str:
+    def line(self, threads: str | None = None) -> str:
+        """The plan in one line; ``threads``: the OMP_NUM_THREADS the caller set instead of the plan's."""
+        given = f"{threads} CPU thread(s) per rank (OMP_NUM_THREADS given)"
         return (f"{self.nproc} process(es), {self.backend} on {self.device} ({self.reason}); "
-                f"{self.threads_per_rank} CPU thread(s) per rank")
+                + (given if threads and threads != str(self.threads_per_rank)
+                   else f"{self.threads_per_rank} CPU thread(s) per rank"))
 
 
 def plan(nproc: int, backend: str = "auto", *, allow_oversubscribe: bool = False, report=None) -> Plan:

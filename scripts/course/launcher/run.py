@@ -77,14 +77,13 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
     args = [str(a) for a in args]
     torchrun_args = [str(a) for a in torchrun_args]
     job_env = chosen.env()
-    plan_line = chosen.line()
-    if max_restarts(torchrun_args) > 0:
+    restarts = max_restarts(torchrun_args) > 0
+    if restarts:
         job_env[RESTART_ENV] = "1"
-        plan_line += f"; restarts on: {RESTART_ENV}=1 (a fresh rendezvous store for each attempt)"
     job_env.update(env or {})
-    if job_env["OMP_NUM_THREADS"] != str(chosen.threads_per_rank):  # the caller's env decides: say what runs
-        plan_line = plan_line.replace(f"{chosen.threads_per_rank} CPU thread(s) per rank",
-                                      f"{job_env['OMP_NUM_THREADS']} CPU thread(s) per rank (OMP_NUM_THREADS given)")
+    plan_line = chosen.line(threads=job_env["OMP_NUM_THREADS"])  # the caller's env decides: say what runs
+    if restarts:
+        plan_line += f"; restarts on: {RESTART_ENV}=1 (a fresh rendezvous store for each attempt)"
     emit = on_line or _print_line
     staged = None
     if run_dir is not None:
