@@ -90,9 +90,10 @@ class NotebookRun:
         assert path.is_file() and path.stat().st_mtime >= self.started - 1, f"{path} was not written by this run"
         return path
 
-    def metrics(self, run: str) -> dict:
-        """metrics.json of the notebook's run ``run`` (runs/<stem>/<run>/metrics.json), written by this run."""
-        return json.loads(self.written(RUNS / self.stem / run / "metrics.json").read_text())
+    def metrics(self, run: str, folder: str | None = None) -> dict:
+        """metrics.json of the notebook's run ``run`` (runs/<folder or stem>/<run>/metrics.json), written by this
+        run (notebooks 04 and 04b share runs/04_pitfalls)."""
+        return json.loads(self.written(RUNS / (folder or self.stem) / run / "metrics.json").read_text())
 
     def weights(self, name: str) -> Path:
         return self.written(WEIGHTS / self.stem / name)

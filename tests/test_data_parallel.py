@@ -1,4 +1,4 @@
-"""DataParallel (notebook 02): train_dp.py under the launcher, its checkpoint, and the properties the
+"""DataParallel (notebook 02): train_dp.py's run in the notebook, its checkpoint, and the properties the
 notebook demonstrates (manual DP gives the full-batch gradient; on CPU DP is a silent pass-through;
 the ring all-reduce simulation gives the sum and sends 2(N-1)/N of the tensor per rank)."""
 
@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import executed_notebook
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
@@ -18,22 +19,19 @@ from course.models import mlp
 from course.scriptdiff import script_diff
 
 
-def test_train_dp_runs_as_one_process_and_saves_plain_keys(datasets, tmp_path):
-    checkpoint = tmp_path / "train_dp.pt"
-    result = launch("train_dp.py", nproc=1, timeout=300, run_dir=tmp_path / "run", quiet=True,
-                    on_line=lambda _: None,
-                    args=["--dataset", "mnist", "--epochs", 1, "--max-steps", 40, "--log-every", 10,
-                          "--checkpoint", checkpoint])
-    m = result.metrics
-    assert m["script"] == "train_dp" and m["world_size"] == 1 and m["steps"] == 40
-    assert m["timed_steps"] == 40 - m["warmup_steps"] and m["samples_per_s"] > 0
+def test_train_dp_runs_as_one_process_and_saves_plain_keys():
+    """Read from notebook 02's headless run (quick: 100 steps on MNIST), which launches train_dp.py once."""
+    run = executed_notebook("02_data_parallel").require_ok()
+    m = run.metrics("mnist_dp")
+    assert m["script"] == "train_dp" and m["world_size"] == 1 and m["steps"] == 100
+    assert m["timed_steps"] == 100 - m["warmup_steps"] and m["samples_per_s"] > 0
     assert not any(math.isnan(loss) for _, loss in m["train_loss_history"])
     assert m["dp_device_ids"] == list(range(torch.cuda.device_count()))
     assert 0.5 < m["val_accuracy"] <= 1.0 and m["val_total"] == 10000
-    assert "DataParallel device_ids=" in result.output
+    assert "DataParallel device_ids=" in run.output()
 
-    state = load_checkpoint(checkpoint)
-    assert state["step"] == 40
+    state = load_checkpoint(run.written(course.WEIGHTS / "train_dp.pt"))
+    assert state["step"] == 100
     assert not [key for key in state["model"] if key.startswith("module.")]
     mlp().load_state_dict(state["model"])  # strict: a plain model takes the checkpoint as it is
 

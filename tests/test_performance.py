@@ -1,26 +1,21 @@
 """Notebook 05's scripts and helpers: all-reduce bandwidth arithmetic, accumulation equivalence and its two bugs,
 the all-reduce/byte counter, the profiler trace and its timeline, and the GPU-only cells skipping on a CPU.
-Physics and structure only: no assertion on wall-clock speed."""
+Physics and structure only: no assertion on wall-clock speed. What the scripts measure is read from notebook
+05's own headless run, which launches each of them once."""
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
 import torch
+from conftest import executed_notebook
 
 from course import ROOT, import_script
-from course.launcher import launch
+from course.models import build_model
 from course.timeline import Timeline, intersect, load_timeline, load_timelines, merge, subtract, total
 
-QUIET = {"on_line": lambda _: None, "quiet": True, "timeout": 600}
 NOTEBOOK = ROOT / "notebooks" / "05_performance.ipynb"
-
-
-@pytest.fixture(scope="module")
-def mnist():
-    from course.datagen import ensure_datasets
-
-    ensure_datasets(quiet=True)
 
 
 # ------------------------------------------------------------------------------------------- arithmetic
@@ -67,13 +62,22 @@ def test_timeline_overlap_from_a_synthetic_trace(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- real runs
+# Read from notebook 05's own headless run (conftest.executed_notebook): it launches each of these scripts once.
+
+TRACE_STEPS = 3  # perf_step.py's --trace-steps default, which notebook 05's ResNet-18 run uses
 
 
-def test_bench_allreduce_algbw_busbw_and_copy(tmp_path):
-    result = launch("bench_allreduce.py", 2, ["--max-mb", 16], run_dir=tmp_path / "bench", **QUIET)
-    rows, n = result.metrics["results"], result.metrics["world_size"]
+@pytest.fixture(scope="module")
+def notebook_05():
+    """Notebook 05's headless run (shared with tests/test_notebooks.py); the tests below read what it wrote."""
+    return executed_notebook("05_performance").require_ok()
+
+
+def test_bench_allreduce_algbw_busbw_and_copy(notebook_05):
+    m = notebook_05.metrics("allreduce")  # bench_allreduce.py --max-mb 64 (quick)
+    rows, n = m["results"], m["world_size"]
     assert n == 2 and [r["bytes"] for r in rows] == [4096 * 4**i for i in range(len(rows))]
-    assert rows[-1]["bytes"] == 16 * 2**20
+    assert rows[-1]["bytes"] == 64 * 2**20
     for r in rows:
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (n - 1) / n)
@@ -83,26 +87,23 @@ def test_bench_allreduce_algbw_busbw_and_copy(tmp_path):
     assert rows[-1]["busbw_GBps"] <= 2 * rows[-1]["copy_GBps"]
 
 
-def test_accumulation_equivalence_catches_both_bugs(mnist, tmp_path):
-    k = 3
-    result = launch("perf_accumulation.py", 2, ["--micro-steps", k, "--batch-size", 8, "--steps", 4,
-                                                "--time-rounds", 0], run_dir=tmp_path / "acc", **QUIET)
-    m = result.metrics
-    assert (m["world_size"], m["micro_steps"], m["global_batch"]) == (2, k, 2 * k * 8)
+def test_accumulation_equivalence_catches_both_bugs(notebook_05):
+    m = notebook_05.metrics("accumulation")  # --micro-steps 4 --batch-size 16 --steps 5
+    k = m["micro_steps"]
+    assert (m["world_size"], k, m["global_batch"]) == (2, 4, 2 * 4 * 16)
     right, no_divide, every = (m["results"][v] for v in ("right", "no_divide", "sync_every_step"))
     assert right["max_param_diff"] <= 1e-6  # N x K x B == one process with N*K*B
     assert no_divide["max_param_diff"] > 1e-3  # bug 1: caught by the equivalence check
     assert every["max_param_diff"] <= 1e-6  # bug 2 trains right ...
     assert right["all_reduces_per_step"] == 1 and every["all_reduces_per_step"] == k  # ... caught by the counter
     assert every["bytes_per_step"] == k * right["bytes_per_step"] == k * 4 * 101_770
-    assert m["timing"] is None
+    assert set(m["timing"]["values"]) == {"right", "sync_every_step"}  # timed through course.measure
 
 
-def test_precision_bytes_dtypes_and_loss(mnist, tmp_path):
-    result = launch("perf_precision.py", 2, ["--steps", 12], run_dir=tmp_path / "prec", **QUIET)
-    m = result.metrics
+def test_precision_bytes_dtypes_and_loss(notebook_05):
+    m = notebook_05.metrics("precision")  # --steps 30 (quick)
     params, results = m["parameters"], m["results"]
-    assert params == 101_770
+    assert params == 101_770 and m["steps"] == 30
     assert results["fp32"]["bytes_per_step"] == results["autocast"]["bytes_per_step"] == 4 * params
     assert results["autocast"]["dtypes"]["parameters"] == results["autocast"]["dtypes"]["gradients"] == "torch.float32"
     assert results["autocast"]["dtypes"]["output"] in ("torch.bfloat16", "torch.float16")
@@ -113,28 +114,34 @@ def test_precision_bytes_dtypes_and_loss(mnist, tmp_path):
         assert results[hook]["bytes_per_step"] == 2 * params and results[hook]["all_reduces_per_step"] == 1
     for name, r in results.items():
         if "loss" in r:
-            assert len(r["loss"]) == 12 and r["max_loss_diff"] <= 0.02, name
+            assert len(r["loss"]) == m["steps"] and r["max_loss_diff"] <= 0.02, name
 
 
-def test_step_counts_trace_and_timeline(tmp_path):
-    trace = tmp_path / "trace"
-    result = launch("perf_step.py", 2, ["--model", "mlp", "--configs", "sync,no_sync,view", "--steps", 1,
-                                        "--rounds", 1, "--trace", trace, "--trace-steps", 2, "--unused-demo"],
-                    run_dir=tmp_path / "step", **QUIET)
-    m = result.metrics
-    configs = m["configs"]
+def test_step_counts_trace_and_timeline(notebook_05, tmp_path):
+    mlp = notebook_05.metrics("step_mlp")  # sync,no_sync + the unused-parameter demo
+    configs = mlp["configs"]
     assert configs["no_sync"]["all_reduces_per_step"] == 0 and configs["no_sync"]["bytes_per_step"] == 0
-    assert configs["sync"]["all_reduces_per_step"] == 1 and configs["sync"]["bytes_per_step"] == m["gradient_bytes"]
-    assert configs["view"]["gradient_storages"] < configs["sync"]["gradient_storages"] == 4  # views into 1 bucket
-    assert set(m["timing"]["values"]) == {"sync", "no_sync", "view"}
-    assert m["unused_demo"]["default"].startswith("Expected to have finished reduction")
-    assert m["unused_demo"]["find_unused_parameters"] == m["unused_demo"]["static_graph"] == "ok"
+    assert configs["sync"]["all_reduces_per_step"] == 1 and configs["sync"]["bytes_per_step"] == mlp["gradient_bytes"]
+    assert configs["sync"]["gradient_storages"] == 4  # 2 weights + 2 biases
+    assert set(mlp["timing"]["values"]) == {"sync", "no_sync"}
+    assert mlp["unused_demo"]["default"].startswith("Expected to have finished reduction")
+    assert mlp["unused_demo"]["find_unused_parameters"] == mlp["unused_demo"]["static_graph"] == "ok"
 
+    resnet = notebook_05.metrics("step_resnet18")  # seven DDP options, and a profiler trace of the first
+    configs = resnet["configs"]
+    assert set(resnet["timing"]["values"]) == set(configs) == {
+        "sync", "no_sync", "bucket1", "bucket100", "view", "static", "find_unused"}
+    tensors = len(list(build_model("resnet18", 5).parameters()))
+    assert configs["view"]["gradient_storages"] < configs["sync"]["gradient_storages"] == tensors  # views into buckets
+    assert configs["bucket1"]["all_reduces_per_step"] > configs["sync"]["all_reduces_per_step"] >= 1
+    assert all(c["bytes_per_step"] == resnet["gradient_bytes"] for name, c in configs.items() if name != "no_sync")
+
+    trace = notebook_05.written(Path(resnet["trace"]) / "rank0.json").parent
     assert sorted(p.name for p in trace.glob("*.json")) == ["rank0.json", "rank1.json"]
     timelines = load_timelines(trace)
     assert list(timelines) == [0, 1]
     for t in timelines.values():
-        assert len(t.spans["forward"]) == len(t.spans["backward"]) == len(t.spans["optimizer"]) == 2
+        assert len(t.spans["forward"]) == len(t.spans["backward"]) == len(t.spans["optimizer"]) == TRACE_STEPS
         assert len(t.spans["all-reduce"]) >= 1 and t.compute
         assert 0 <= t.overlap_fraction() <= 1
         backward = t.spans["backward"]
@@ -165,21 +172,12 @@ def test_notebook_writes_its_scripts_and_tags_its_special_cells():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine these cells run instead of skipping")
-def test_gpu_only_cells_skip_with_a_reason_on_a_cpu(tmp_path, monkeypatch):
-    """The setup cell, then every cell tagged gpu-only or skips-in-quick, run in a kernel in quick mode."""
-    monkeypatch.setenv("COURSE_QUICK", "1")
-    from course.run_notebooks import execute
-
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    setup = next(c for c in nb.cells if c.cell_type == "code")
-    special = [c for c in nb.cells if {"gpu-only", "skips-in-quick"} & set(c.metadata.get("tags", []))]
-    nb.cells = [setup, *special]
-    path = tmp_path / "05_special_cells.ipynb"
-    nbformat.write(nb, path)
-    ok, _, error = execute(path, out_dir=tmp_path / "out", cell_timeout=300)
-    assert ok, error[-3000:]
-    executed = nbformat.read(tmp_path / "out" / path.name, as_version=4)
-    for cell in executed.cells[1:]:
+def test_gpu_only_cells_skip_with_a_reason_on_a_cpu(notebook_05):
+    """Every cell tagged gpu-only or skips-in-quick, as notebook 05's headless run (quick, CPU) left it."""
+    executed = nbformat.read(notebook_05.executed, as_version=4)
+    special = [c for c in executed.cells if {"gpu-only", "skips-in-quick"} & set(c.metadata.get("tags", []))]
+    assert len(special) == 3
+    for cell in special:
         text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
         lines = text.splitlines()
         assert lines and lines[0].startswith("skipped"), text  # one sentence, why

@@ -1,9 +1,10 @@
 """Notebooks 04 and 04b. Their headless run (tests/test_notebooks.py) launches every pitfall once and its cells
 assert each symptom and fix: devices, set_epoch, the rendezvous pitfalls, uneven inputs, rank-0 writes, the
-collective mismatch (DETAIL), GradScaler. Here only what that run does not show, each test saying why it launches:
-the set_device refusal, the workers job's busy-thread bookkeeping, mp.spawn leaving no child, the learning-rate
-job's equal samples, the exercise passing once fixed; and the notebooks' helpers (course.pitfall_jobs,
-course.spawn_capture). Real torchrun jobs with gloo on the CPU."""
+collective mismatch (DETAIL), GradScaler. Here, read from that same run: the workers job's busy-thread
+bookkeeping, the learning-rate job's equal samples, the exercise passing once fixed. Launched here, only what that
+run does not show, each test saying why: the set_device refusal, mp.spawn leaving no child, the exercise failing as
+committed; and the notebooks' helpers (course.pitfall_jobs, course.spawn_capture). Real torchrun jobs with gloo on
+the CPU."""
 
 import contextlib
 import re
@@ -13,6 +14,7 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import executed_notebook
 from torch.utils.data import DataLoader
 
 from course import ROOT, SCRIPTS
@@ -41,6 +43,18 @@ def comparison(metrics) -> Comparison:
     return comparison_from(metrics["comparison"])
 
 
+@pytest.fixture(scope="module")
+def notebook_04():
+    """Notebook 04's headless run (shared with tests/test_notebooks.py)."""
+    return executed_notebook("04_pitfalls").require_ok()
+
+
+@pytest.fixture(scope="module")
+def notebook_04b():
+    """Notebook 04b's headless run (shared with tests/test_notebooks.py)."""
+    return executed_notebook("04b_pitfalls_reference").require_ok()
+
+
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_set_device_bug_refuses_to_run_without_a_gpu(no_leftovers):
     """Launches: the notebook runs this bug only where there are GPUs."""
@@ -49,20 +63,22 @@ def test_set_device_bug_refuses_to_run_without_a_gpu(no_leftovers):
     assert result.returncode != 0 and "needs a GPU" in result.output
 
 
-def test_workers_comparison_runs_every_configuration_in_one_job(no_leftovers, tmp_path):
-    """Launches: a 2-configuration job small enough to check the busy-thread bookkeeping exactly."""
-    no_leftovers("pitfall_workers.py")
-    result = launch("pitfall_workers.py", nproc=2, args=["--configs", "0:1", "1:1", "--rounds", 2, "--steps", 2,
-                                                          "--warmup", 1, "--batch-size", 8],
-                    run_dir=tmp_path, timeout=300, **QUIET)
-    speeds = comparison(result.metrics)
-    assert list(speeds.measurements) == ["0 workers, 1 thread per rank", "1 worker, 1 thread per rank"]
-    assert all(len(m.values) == 2 and min(m.values) > 0 for m in speeds.measurements.values())
-    assert result.metrics["busy"] == {"0 workers, 1 thread per rank": 2, "1 worker, 1 thread per rank": 4}
-    assert speeds.conclusion("1 worker, 1 thread per rank", "0 workers, 1 thread per rank") in \
-        ("above", "below", "same", "unclear", "noisy")
-
-
+def test_workers_comparison_runs_every_configuration_in_one_job(notebook_04):
+    """Read from notebook 04's run: every configuration measured in its rounds, and the busy-thread bookkeeping:
+    ranks x (threads + loader workers) that want a core at once."""
+    metrics = notebook_04.metrics("workers", folder="04_pitfalls")
+    speeds = comparison(metrics)
+    names = list(speeds.measurements)
+    assert len(names) == len(set(names)) >= 2
+    rounds = {len(m.values) for m in speeds.measurements.values()}
+    assert len(rounds) == 1 and rounds.pop() >= 2
+    assert all(min(m.values) > 0 for m in speeds.measurements.values())
+    expected = {}
+    for name in names:
+        workers, threads = map(int, re.fullmatch(r"(\d+) workers?, (\d+) threads? per rank", name).groups())
+        expected[name] = 2 * (threads + workers)
+    assert metrics["busy"] == expected
+    assert speeds.conclusion(names[1], names[0]) in ("above", "below", "same", "unclear", "noisy")
 
 
 def spawned_children() -> list[psutil.Process]:
@@ -93,43 +109,39 @@ def test_mp_spawn_of_a_function_without_a_module_fails_and_from_a_file_works(no_
     assert spawned_children() == []
 
 
-def test_learning_rate_runs_compare_three_configurations_at_equal_samples(no_leftovers, tmp_path):
-    """Launches: one small round, to check the step counts of equal samples exactly."""
-    no_leftovers("pitfall_lr.py")
-    result = launch("pitfall_lr.py", nproc=2, args=["--samples", 1280, "--rounds", 1], run_dir=tmp_path,
-                    timeout=300, **QUIET)
-    accuracies = comparison(result.metrics)
-    small, kept, scaled = result.metrics["names"]
+def test_learning_rate_runs_compare_three_configurations_at_equal_samples(notebook_04b):
+    """Read from notebook 04b's run (12 800 samples in quick mode): the step counts of equal samples, exactly."""
+    metrics = notebook_04b.metrics("lr", folder="04_pitfalls")
+    accuracies = comparison(metrics)
+    small, kept, scaled = metrics["names"]
     assert (small, kept, scaled) == ("global batch 64, lr 0.01", "global batch 128, lr 0.01 (kept)",
                                      "global batch 128, lr 0.02 (scaled x2)")
-    assert result.metrics["steps"] == {small: 20, kept: 10, scaled: 10}  # equal samples: 1280
-    assert all(0 < m.values[0] <= 1 for m in accuracies.measurements.values())
+    assert metrics["steps"] == {small: 200, kept: 100, scaled: 100}  # equal samples: 12 800
+    assert all(0 < value <= 1 for m in accuracies.measurements.values() for value in m.values)
 
 
-def exercise_passes(result, checkpoint) -> bool:
-    """Notebook 04's check: the reported accuracy is the saved model's accuracy on the whole validation set."""
+def exercise_passes(metrics, checkpoint) -> bool:
+    """Notebook 04b's check: the reported accuracy is the saved model's accuracy on the whole validation set."""
     _, val_set, num_classes = build_datasets("mnist")
     model = build_model("mlp", num_classes)
     model.load_state_dict(load_checkpoint(checkpoint)["model"])
     model.eval()
     with torch.no_grad():
         correct = sum((model(x).argmax(1) == y).sum().item() for x, y in DataLoader(val_set, 1000))
-    return result.metrics["val_total"] == len(val_set) and result.metrics["val_correct"] == correct
+    return metrics["val_total"] == len(val_set) and metrics["val_correct"] == correct
 
 
-def test_check_yourself_exercise_fails_as_committed_and_passes_once_fixed(no_leftovers, tmp_path):
-    """Launches: the notebook runs only the exercise as committed; the fixed one proves the check can pass."""
+def test_check_yourself_exercise_fails_as_committed_and_passes_once_fixed(no_leftovers, tmp_path, notebook_04b):
+    """Launches the exercise as committed (the notebook's headless run answers from the key, so it runs only the
+    fixed script, whose run and checkpoint are read here)."""
     no_leftovers("pitfall_exercise.py")
-    buggy = SCRIPTS / "pitfall_exercise.py"
-    fixed = tmp_path / "pitfall_exercise_fixed.py"
-    counts_line = "    correct, total = counts.tolist()\n"
-    assert buggy.read_text().count(counts_line) == 1
-    fixed.write_text(buggy.read_text().replace(counts_line, "    dist.all_reduce(counts)\n" + counts_line))
-    for script, passes in ((buggy, False), (fixed, True)):
-        checkpoint = tmp_path / f"{script.stem}.pt"
-        result = launch(script, nproc=2, args=["--checkpoint", checkpoint], run_dir=tmp_path / script.stem,
-                        timeout=300, **QUIET)
-        assert exercise_passes(result, checkpoint) is passes, script.name
+    checkpoint = tmp_path / "pitfall_exercise.pt"
+    result = launch("pitfall_exercise.py", nproc=2, args=["--checkpoint", checkpoint], run_dir=tmp_path / "run",
+                    timeout=300, **QUIET)
+    assert exercise_passes(result.metrics, checkpoint) is False, "the exercise as committed must fail the check"
+    fixed = notebook_04b.metrics("exercise", folder="04_pitfalls")
+    assert exercise_passes(fixed, notebook_04b.written(ROOT / "weights" / "04_pitfalls_exercise.pt")) is True
+    assert "PASS: the reported accuracy is the model's accuracy on the whole validation set." in notebook_04b.output()
 
 
 def test_symptom_keeps_each_line_once_and_drops_the_copies_torchrun_repeats(capsys):

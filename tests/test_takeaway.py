@@ -2,6 +2,7 @@
 model code beside it (course/__init__.py empty, course/data.py, course/models.py) and course/errors.py, the fix
 for torch's @record that the scripts import. Run on 2 gloo processes with plain torchrun (not the course's
 launcher; train_single.py on 1); the copy's course/ shadows the installed course package, and its __pycache__ shows what was imported.
+The same runs show that train_single.py and train_ddp.py learn and report as they should: each script is run once.
 """
 
 import json
@@ -19,8 +20,8 @@ COPIED = ("__init__.py", "data.py", "errors.py", "models.py")  # what a learner 
 TINY_FLOWERS = 8  # images per class: 40 images, 32 training, 8 validation
 
 RUNS = {  # script: (its arguments, the checkpoint it writes, relative to the project)
-    "train_single.py": (["--max-steps", "6", "--epochs", "1"], "weights/train_single.pt"),
-    "train_ddp.py": (["--max-steps", "6", "--epochs", "1", "--batch-size", "32"], "weights/train_ddp.pt"),
+    "train_single.py": (["--max-steps", "150", "--epochs", "1"], "weights/train_single.pt"),
+    "train_ddp.py": (["--max-steps", "100", "--epochs", "1", "--batch-size", "32"], "weights/train_ddp.pt"),
     "train_fsdp.py": (["--max-steps", "6", "--epochs", "1", "--batch-size", "32"], "weights/train_fsdp/.metadata"),
     "train_flowers.py": (["--epochs", "1", "--image-size", "32", "--global-batch", "8", "--batch-size", "4",
                           "--show-images", "4", "--log-every", "2"], "weights/train_flowers/last.pt"),
@@ -84,6 +85,30 @@ def test_a_take_home_script_runs_copied_alone(script, datasets, tmp_path):
     assert not list(root.rglob("*.tmp")), "no temporary file left"
     # Nothing of the copy reaches into the course: no run directory or checkpoint of this name there.
     assert not (ROOT / "runs" / "mine").exists()
+    if script in LEARNS:
+        LEARNS[script](metrics, result, torch.load(root / checkpoint, weights_only=True))
+
+
+def single_learns(m, result, state):
+    """150 steps of 64 on MNIST: learns; 3 warm-up steps untimed; the progress bar stopped by --max-steps ends
+    full (150/150), never half drawn; the checkpoint is of step 150."""
+    assert (m["world_size"], m["steps"], m["global_batch"], m["device"]) == (1, 150, 64, "cpu")
+    assert m["val_accuracy"] > 0.85 and m["final_train_loss"] < 1.0
+    assert (m["warmup_steps"], m["timed_steps"]) == (3, 147), "warm-up not timed"
+    bars = [line for line in result.stderr.replace("\r", "\n").splitlines() if "%|" in line]
+    assert bars and "100%" in bars[-1] and "150/150" in bars[-1], bars[-3:]
+    assert "done:" in result.stdout and state["step"] == 150
+
+
+def ddp_learns(m, result, state):
+    """2 ranks x 32 = global batch 64 for 100 steps: learns; each rank says who it is; rank 0 alone reports."""
+    assert (m["world_size"], m["backend"], m["batch_per_rank"], m["global_batch"]) == (2, "gloo", 32, 64)
+    assert m["val_accuracy"] > 0.8 and m["timed_steps"] == 97
+    assert "rank 0 (local rank 0) on cpu" in result.stdout and "rank 1 (local rank 1) on cpu" in result.stdout
+    assert result.stdout.count("val accuracy") == 2  # the epoch line and the final line, from rank 0 only
+
+
+LEARNS = {"train_single.py": single_learns, "train_ddp.py": ddp_learns}
 
 
 def test_the_copied_course_files_import_nothing_else_of_the_course():
