@@ -1,19 +1,24 @@
 """Exercises 1, 2, 4, 5 and 6 launched on 2 gloo processes: each realistic mistake fails with its own
 diagnosis and first hint, correct alternatives pass, the debugging lab's scripts as committed show their
-symptom. One real torchrun job per test (about 10-20 s each on an idle 2-core box)."""
+symptom. One real torchrun job per mistake or alternative (about 8 s each on an idle 2-core box), checked two at
+a time: each check has its own script, work folder and results file, and no diagnosis depends on how fast a
+job runs (they come from what the recorder saw; a hang ends at the process-group timeout whatever the load)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import executed_notebook
-from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
+from conftest import executed_notebook, wait_for_no_processes
+from exercise_helpers import mutate
 
 from course import RUNS, SCRIPTS
-from course.exercises import EXERCISES, NOTEBOOK, ex1_convert, ex2_by_hand
+from course.exercises import EXERCISES, NOTEBOOK, check, ex1_convert, ex2_by_hand
 
 WAIT_EVERY = "        for handle, flat, i in self.pending:\n            handle.wait()\n"
 
@@ -62,9 +67,31 @@ CORRECT_ALTERNATIVES = {
 }
 
 
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """check() of every launched mistake and correct alternative, two at a time; no process left behind."""
+    root = tmp_path_factory.mktemp("launched")
+
+    def one(item):
+        (key, name), edits = item
+        folder = root / (f"{key}-" + re.sub(r"\W+", "-", name))
+        path = folder / EXERCISES[key].script
+        folder.mkdir()
+        path.write_text(mutate(key, *edits))
+        start = time.monotonic()
+        result = check(key, path, work_dir=folder / "work", results_file=folder / "results.json", show=False)
+        result.wall = time.monotonic() - start
+        return (key, name), result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(pool.map(one, {**LAUNCHED_MISTAKES, **CORRECT_ALTERNATIVES}.items()))
+    assert wait_for_no_processes(str(root), timeout=10) == [], "processes of a check left behind"
+    return results
+
+
 @pytest.mark.parametrize(("key", "diagnosis"), LAUNCHED_MISTAKES, ids=lambda v: v)
-def test_launched_mistake_gets_its_hint(key, diagnosis, run_check):
-    result = run_check(key, mutate(key, *LAUNCHED_MISTAKES[key, diagnosis]))
+def test_launched_mistake_gets_its_hint(key, diagnosis, checked):
+    result = checked[key, diagnosis]
     assert result.diagnosis == diagnosis, result.symptom
     assert result.hint == EXERCISES[key].hints_for(diagnosis)[0]
     assert diagnosis in EXERCISES[key].hints or diagnosis in ("hang", "crash", "factor"), "a hint of its own"
@@ -80,8 +107,8 @@ def test_launched_mistake_gets_its_hint(key, diagnosis, run_check):
 
 
 @pytest.mark.parametrize(("key", "name"), CORRECT_ALTERNATIVES, ids=lambda v: v)
-def test_correct_alternative_passes(key, name, run_check):
-    result = run_check(key, mutate(key, *CORRECT_ALTERNATIVES[key, name]))
+def test_correct_alternative_passes(key, name, checked):
+    result = checked[key, name]
     assert result.passed, result.symptom
 
 

@@ -26,7 +26,6 @@ NOTEBOOK = ROOT / "notebooks" / "06_multinode_and_faults.ipynb"
 SLURM = ROOT / "tests" / "fixtures" / "slurm"
 QUIET = {"on_line": lambda _: None}
 TAGS = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
-FIX = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh rendezvous store per round (notebook 06, section 3)
 MNIST = ["--dataset", "mnist", "--log-every", "5"]
 
 
