@@ -75,4 +75,7 @@ def test_notebook_executes_headless(path, datasets):
     for cell in executed.cells:
         for output in cell.get("outputs", []):
             assert output.output_type != "error", f"error output in {path.name}"
+        if "skips-in-quick" in cell.metadata.get("tags", []):  # says so, in one line, and why
+            text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+            assert text.startswith("skipped in quick mode: ") and text.count("\n") == 1, text
     print(f"{path.name}: {run.seconds:.0f} s")
