@@ -86,6 +86,7 @@ def main():
                   flush=True)
     RunLog(args.run_dir, enabled=rank == 0, script="bench_allreduce", world_size=world_size, device=str(device),
            backend=backend_for(device)).finish(results=rows)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

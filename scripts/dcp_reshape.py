@@ -91,7 +91,7 @@ def main():
         shape = f"{mesh.size(0)} x {mesh.size(1)}"
         print(f"{metrics['mode']} on {shape}: losses after the checkpoint " + ", ".join(f"{v:.6f}" for v in after),
               flush=True)
-    dist.barrier()  # every rank done with its collectives before any tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

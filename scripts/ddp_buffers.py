@@ -64,6 +64,7 @@ def main():
         ddp(x)  # the forward before this one ran without gradients: nothing is sent
         seen["after a second no_grad forward through ddp"] = spread(bn, world_size)
     log.finish(spread=seen)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -90,6 +90,7 @@ def main():
                      batch_per_rank=args.batch_size, steps=args.steps, device=str(device))
     dist.init_process_group(backend_for(device))
     log.finish(models={name: run(name, device, args, rank, world_size) for name in args.models})
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

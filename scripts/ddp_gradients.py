@@ -75,6 +75,7 @@ def main():
         print(f"rank {rank}, {name}: largest |grad difference| {diffs[worst]:.2e} in {worst} "
               f"(largest gradient entry {scale:.2e})", flush=True)
     log.finish(models=results)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -51,7 +51,7 @@ def main():
     assert torch.allclose(summed.full_tensor(), full @ full.T) and torch.equal(whole.full_tensor(), full)
     if rank == 0:
         print("full_tensor() of every result equals the one-process computation", flush=True)
-    dist.barrier()  # every rank done with its collectives before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -99,6 +99,7 @@ def main():
     if rank == 0:
         print(f"{args.steps} steps, {len(comm.buckets)} buckets of sizes "
               f"{[sum(p.numel() for p in b) for b in comm.buckets]}, last loss {loss.item():.4f}")
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -81,6 +81,7 @@ def main():
     trace.save()
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
     print(f"rank {rank}: owns {len(mine)} of {len(owner)} parameters, Adam state {state} bytes", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

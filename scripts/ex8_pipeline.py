@@ -61,7 +61,7 @@ def main():
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     torch.save({name: p.grad for name, p in stage.named_parameters()}, Path(args.out) / f"ex8_rank{rank}.pt")
-    dist.barrier()  # both ranks done with every send and receive before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

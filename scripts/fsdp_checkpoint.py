@@ -102,6 +102,7 @@ def main():
               + (f"; exported to {args.export}" if args.export else ""), flush=True)
     log.finish(step=state["step"], epoch=state["epoch"], saved_pieces=len(pieces), val_correct=correct,
                val_total=total, val_accuracy=correct / total)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

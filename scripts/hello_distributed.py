@@ -51,6 +51,7 @@ def main():
     if args.max_mib and world_size > 1:
         results.update(benchmark(args, device, rank, world_size, log))
     log.finish(**results)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

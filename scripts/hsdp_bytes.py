@@ -94,7 +94,7 @@ def main():
         tmp.write_text(json.dumps(metrics, indent=2))
         os.replace(tmp, Path(args.run_dir) / "metrics.json")
         print(f"hsdp_bytes: mesh {sizes}, one step counted on rank 0 ({device}, {dist.get_backend()})", flush=True)
-    dist.barrier()  # every rank done with its collectives before any tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -50,7 +50,7 @@ def main():
         tmp.write_text(json.dumps({"script": "mesh_basics", "mesh": mesh.mesh.tolist(),
                                    "names": list(mesh.mesh_dim_names), "ranks": everyone}, indent=2))
         os.replace(tmp, Path(args.run_dir) / "metrics.json")
-    dist.barrier()  # every rank done with its collectives before any tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

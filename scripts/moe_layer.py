@@ -100,7 +100,7 @@ def main():
             print(f"  rank {i}: {s.tolist()}", flush=True)
         print(f"largest difference from one process, all ranks: {worst.item():.1e}", flush=True)
         print(f"counted on rank 0: {summary}; predicted: {predicted}", flush=True)
-    dist.barrier()  # every rank done with its exchanges before any tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -110,6 +110,7 @@ def main():
         print("\n".join(lines), flush=True)
     log.finish(results=results)  # metrics.json; TensorBoard shows the loss/* curves
     gc.collect()  # free the DDP models first: otherwise gloo sometimes aborts at exit (torch 2.14, CPU)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

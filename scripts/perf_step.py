@@ -179,6 +179,7 @@ def main():
         trace=str(args.trace) if args.trace else None)
     models.clear()
     gc.collect()  # free the DDP models first: otherwise gloo sometimes aborts at exit (torch 2.14, CPU)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

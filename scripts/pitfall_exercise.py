@@ -61,6 +61,7 @@ def main():
         save_checkpoint({"model": model.module.state_dict()}, args.checkpoint)
         print(f"val accuracy {correct / total:.4f} ({correct}/{total})", flush=True)
     log.finish(val_accuracy=correct / total, val_correct=correct, val_total=total, world_size=world_size)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -80,6 +80,7 @@ def main():
         result.show()
     log.finish(comparison=result.to_dict(), names=list(configs), world_size=world_size,
                steps={name: args.samples // (b * world_size) for name, (b, _) in configs.items()})
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

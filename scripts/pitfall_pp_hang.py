@@ -55,6 +55,7 @@ def main():
         time.sleep(2)  # let the other rank report too before torchrun ends it (a real job would just exit)
         raise SystemExit(1)
     print(f"rank {rank}: all {args.microbatches} micro-batches done", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

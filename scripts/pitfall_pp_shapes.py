@@ -48,7 +48,7 @@ def main():
         logits = h @ torch.randn(64, 12)  # a stand-in for the last stage
         loss = F.cross_entropy(logits.flatten(0, 1), ym.flatten())
         print(f"rank 1: micro-batch {mb}: loss {loss.item():.3f}", flush=True)
-    dist.barrier()  # both ranks done with every send and receive before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

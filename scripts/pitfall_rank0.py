@@ -83,6 +83,7 @@ def main():
         plain.load_state_dict(load_checkpoint(args.checkpoint, device)["model"])  # onto this rank's device
         same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.module.state_dict().values()))
         print(f"rank {rank}: loaded onto {device}, weights equal to the trained model: {same}", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -40,6 +40,7 @@ def main():
     dist.all_reduce(ranks)
     print(f"rank {rank}: all_reduce of the ranks = {ranks.item():.0f} "
           f"(expected {world_size * (world_size - 1) // 2})", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

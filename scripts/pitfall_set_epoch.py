@@ -92,6 +92,7 @@ def main():
     else:
         accuracy = train(args, not args.bug, args.seed, *data)
         log.finish(val_accuracy=accuracy, set_epoch=not args.bug, world_size=world_size)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

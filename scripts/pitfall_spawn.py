@@ -22,6 +22,7 @@ def worker(rank: int, world_size: int, port: int) -> None:
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     print(f"spawned rank {rank} of {world_size} (pid {os.getpid()}): all_reduce sum {total.item():.0f}", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

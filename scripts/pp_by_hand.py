@@ -140,7 +140,7 @@ def main():
         path.write_text(json.dumps({"script": "pp_by_hand", "world_size": world_size, "device": str(device),
                                     "microbatches": m, "batch_size": args.batch_size, "steps": args.steps,
                                     "ranks": every}, indent=2))
-    dist.barrier()  # both ranks done with every send and receive before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

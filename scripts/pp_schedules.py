@@ -124,6 +124,7 @@ def main():
         path = Path(args.run_dir) / "metrics.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out))
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

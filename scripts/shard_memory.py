@@ -175,6 +175,7 @@ def main():
             print(speed.table(), flush=True)
     log.finish(psi=psi, groups=len(blocks(build_model(args.model, args.classes))) + 1, measured=measured,
                timing=timing)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

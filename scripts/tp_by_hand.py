@@ -132,7 +132,7 @@ def main():
                   "max_difference_all_ranks": worst.item(), "params_per_rank": held}
         (Path(args.run_dir) / "metrics.json.tmp").write_text(json.dumps(result, indent=2))
         os.replace(Path(args.run_dir) / "metrics.json.tmp", Path(args.run_dir) / "metrics.json")
-    dist.barrier()  # every rank done with its collectives before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

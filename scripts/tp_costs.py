@@ -130,7 +130,7 @@ def main():
         (Path(args.run_dir) / "metrics.json.tmp").write_text(json.dumps(result, indent=2))
         os.replace(Path(args.run_dir) / "metrics.json.tmp", Path(args.run_dir) / "metrics.json")
         print(json.dumps({k: result[k] for k in ("step", "block", "bytes_per_rank")}), flush=True)
-    dist.barrier()  # every rank done with its collectives before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

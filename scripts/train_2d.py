@@ -178,6 +178,7 @@ def main():
 
     val_loss, val_accuracy = evaluate(model, data, device, args)  # 2D step 3
     state = full_state_dict(model)  # TP step 5
+    dist.barrier()  # TP step 5: every rank done before any leaves: gloo's exit race, notebook 03
     if rank != 0:  # TP step 5
         dist.destroy_process_group()
         return

@@ -458,6 +458,7 @@ def main():
         save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
         print(f"done: {f'{rate:.0f} samples/s' if rate else 'no step timed'}, val accuracy "
               f"{metrics['val_accuracy']:.3f}, best {best:.3f} -> {best_path}", flush=True)
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -141,6 +141,7 @@ def main():
     seconds = time.perf_counter() - start
 
     state = gather_state(stages, last)  # PP step 5
+    dist.barrier()  # PP step 5: every rank done before any leaves: gloo's exit race, notebook 03
     if rank != last:  # PP step 5
         dist.destroy_process_group()
         return

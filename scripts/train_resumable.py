@@ -335,6 +335,7 @@ def main():
         save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
         speed = f"{rate:.0f} samples/s ({len(durations)} timed steps)" if rate else "no step timed after the warm-up"
         print(f"done: {speed}, val accuracy {correct / total:.4f}", flush=True)
+    dist.barrier()  # DDP step 1: every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()  # DDP step 1: leave the group cleanly
 
 

@@ -210,6 +210,25 @@ def test_failure_text_from_a_report_without_error_files():
     assert describe_failure("python: can't open file 'x.py'\n", 2).startswith("exit code 2")
 
 
+def test_abort_at_exit_is_named_as_gloos_exit_race():
+    """A rank that aborts after its last line (faulthandler: no Python frame), as torch 2.14's gloo worker
+    threads sometimes make it: the failure says so and points to the barrier, from the job's own lines."""
+    from course.launcher import describe_failure
+
+    def report(rank_lines):
+        return ("[rank0]:done\n" + "".join(f"[rank1]:{line}\n" for line in rank_lines)
+                + "Root Cause (first observed failure):\n[0]:\n  time      : t\n  host      : h\n"
+                "  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 3)  (SIGABRT)\n  error_file: <N/A>\n"
+                "  traceback : Signal 6 (SIGABRT) received by PID 3\n" + "=" * 60 + "\n")
+
+    at_exit = ["terminate called without an active exception", "Fatal Python error: Aborted", "",
+               "Thread 0x00007fa3dd2adb80 (most recent call first):", "  <no Python frame>"]
+    text = describe_failure(report(at_exit), 1)
+    assert text.startswith("rank 1 was ended by SIGABRT") and "while Python was exiting" in text, text
+    in_code = at_exit[:4] + ['  File "x.py", line 9 in main']  # the same abort with Python code running
+    assert "while Python was exiting" not in describe_failure(report(in_code), 1)
+
+
 def test_show_report_outside_ipython(capsys):
     from course.launcher import RunResult, show_report
 

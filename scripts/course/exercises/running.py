@@ -21,7 +21,7 @@ import torch
 
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
-from course.launcher.torchrun_output import first_failure, rank_lines
+from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 
 RUNNER = Path(__file__).parent / "runner.py"
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
@@ -173,7 +173,8 @@ def failure(run: Run, path: Path, timeout: float) -> None:
         root = first_failure(run.output)  # torchrun's report: the rank that failed first
         first = next((c for c in crashes if root and c.rank == root["rank"] and c.error), crashes[0])
         where = _where(first, path)
-        fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}",
+        at_exit = " " + EXIT_RACE_NOTE if aborted_at_exit(rank_lines(run.output).get(first.rank, [])) else ""
+        fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}{at_exit}",
               status="error", launched=True)
     tail = " | ".join(run.output.strip().splitlines()[-3:])
     fail("crash", f"the job failed with exit code {run.returncode}: {_short(tail)}", status="error", launched=True)

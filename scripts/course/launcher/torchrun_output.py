@@ -5,6 +5,7 @@
     report_entries(output)   torchrun's failure report, one dict per failed rank, the first failure first
     first_failure(output)    the rank that failed first: rank, signal, its own last error lines
     describe_failure(output, returncode)   the short text a LaunchError carries
+    aborted_at_exit(lines)   whether a rank aborted after its script's last line (gloo's exit race)
 
 torchrun runs with ``--tee=3 --role=rank``: every line a rank prints starts ``[rankN]:``; torch's own
 error lines add a second tag (``[rank1]:[rank1]: ...``). Used by the launcher, the widget and the checker.
@@ -29,6 +30,13 @@ ERRORISH = re.compile(r"(^|\W)(error|exception)\b", re.IGNORECASE)
 LIBRARY = ("site-packages", "/lib/python3.", '"<frozen ')
 VICTIM = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer")
 STOPPED_BY_TORCHRUN = "SIGTERM"  # how torchrun ends the other ranks when one fails
+# A gloo worker thread that drops the last collective's tensors after Python began to exit cannot take the
+# interpreter lock and aborts the process (pytorch/pytorch#117762); faulthandler then shows the main
+# thread with no Python frame: the script's own code had finished.
+EXIT_RACE = ("terminate called without an active exception", "<no Python frame>")
+EXIT_RACE_NOTE = ("(it aborted while Python was exiting, after the script's last line: a gloo worker thread still "
+                  "held the last collective's tensors; a dist.barrier() before destroy_process_group makes this rare, "
+                  "see notebook 03)")
 
 
 def unglue(line: str) -> list[str]:
@@ -160,15 +168,21 @@ def describe_failure(output: str, returncode: int | None = None) -> str:
     first = min(entries, key=lambda e: e["order"])
     if entry["signal"] == STOPPED_BY_TORCHRUN and first["exitcode"] > 0:  # it said why, then torchrun stopped it
         who = f"rank {entry['rank']} (stopped by torchrun after {_who(first)})"
+    exit_race = entry["signal"] == "SIGABRT" and aborted_at_exit(by_rank.get(entry["rank"], []))
     if entry["signal"] and entry["signal"] != STOPPED_BY_TORCHRUN and not lines:
         who += " (killed from outside the job, e.g. by the out-of-memory killer; it printed no error)"
-    text = who + _indent(lines)
+    text = who + _indent(lines) + ("\n" + EXIT_RACE_NOTE if exit_race else "")
     saw = [e for e in entries if e is not entry and _is_victim(_own_lines(e, by_rank))]
     if saw and entry["signal"] and entry["signal"] != STOPPED_BY_TORCHRUN:
         last = {e["rank"]: [line for line in _own_lines(e, by_rank) if _is_victim([line])][-1:] for e in saw}
         text += (f"\nthen, having only seen rank {entry['rank']} die: "
                  + "; ".join(f"rank {r}" + (f" ({_short(lines[0])})" if lines else "") for r, lines in last.items()))
     return text
+
+
+def aborted_at_exit(lines: list[str]) -> bool:
+    """Whether a rank's lines show gloo's exit race: an abort with no Python code running any more."""
+    return all(any(mark in line for line in lines) for mark in EXIT_RACE)
 
 
 def _short(line: str) -> str:

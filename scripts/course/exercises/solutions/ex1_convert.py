@@ -99,6 +99,7 @@ def main():
         torch.save(model.module.state_dict(), out / "model.pt")
         print(f"{step} steps, last loss {history[-2]['loss']:.4f}, val accuracy {correct / total:.3f} "
               f"({correct}/{total}); saved {out / 'model.pt'}")
+    dist.barrier()  # DDP step 1: every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()  # DDP step 1: leave the group
 
 

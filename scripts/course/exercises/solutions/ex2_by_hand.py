@@ -76,6 +76,7 @@ def main():
     trace.save()
     if rank == 0:
         print(f"{args.steps} steps on {world_size} ranks, last loss (rank 0's share) {loss.item():.4f}")
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

@@ -87,6 +87,7 @@ def main():
     torch.save({"out": out.detach(), "x_grad": x.grad, "fc_weight_grad": col.weight.grad,
                 "fc_bias_grad": col.bias.grad, "proj_weight_grad": row.weight.grad,
                 "proj_bias_grad": row.bias.grad}, Path(args.out) / f"ex7_rank{rank}.pt")
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 

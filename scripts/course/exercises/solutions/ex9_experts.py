@@ -52,7 +52,7 @@ def main():
     torch.save({"y": y.detach(), "x_grad": x.grad,
                 "expert_grads": {n: p.grad for n, p in moe.experts[rank].named_parameters()}},
                Path(args.out) / f"ex9_rank{rank}.pt")
-    dist.barrier()  # every exchange done on both ranks before either tears its connections down
+    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 
 
