@@ -46,8 +46,10 @@ def main():
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     # The agent (this node's torchrun) is the parent process: its pid decides the c10d node order on one host.
-    print(" ".join(f"{k}={v}" for k, v in env.items()), f"host={socket.gethostname()} agent_pid={os.getppid()}",
-          flush=True)
+    # One string, one write: torchrun runs ranks with python -u, so print(a, b) writes a, " " and b apart, and
+    # torchrun's tee can read between them and show one line as two.
+    ids = " ".join(f"{k}={v}" for k, v in env.items())
+    print(f"{ids} host={socket.gethostname()} agent_pid={os.getppid()}", flush=True)
     timeout = timedelta(seconds=args.timeout)
     if args.rank0_late and rank == 0 and attempt > 0:
         time.sleep(args.rank0_late)

@@ -15,12 +15,14 @@ from course.launcher import LaunchError, launch
 from course.rundir import RunDirBusy, claim_run_dir
 
 # Each claimant tries every round at the same instant, reports whether it won, and holds what it won until
-# every claimant has tried (so a second winner cannot be one that came after a release).
+# every claimant has said it tried (a marker file each), so a second winner cannot be one that came after a
+# release, however late a loaded machine runs a claimant.
 CLAIMANT = """
 import sys, time
 from pathlib import Path
 from course.rundir import RunDirBusy, claim_run_dir
 base, t0, rounds, period = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+me, claimants = sys.argv[5], int(sys.argv[6])
 for r in range(rounds):
     start = t0 + r * period
     while time.time() < start:
@@ -31,9 +33,11 @@ for r in range(rounds):
     except RunDirBusy:
         claim = None
         print(f"{r} busy", flush=True)
-    while time.time() < start + period * 0.6:
-        time.sleep(0.005)
+    (base / f"tried{r}_{me}").touch()
     if claim:
+        deadline = time.time() + 30
+        while len(list(base.glob(f"tried{r}_*"))) < claimants and time.time() < deadline:
+            time.sleep(0.005)
         claim.release()
 """
 
@@ -42,9 +46,10 @@ def test_simultaneous_claims_have_exactly_one_winner(tmp_path):
     """Issue 21 #1: the old claim (an O_EXCL create, its owner written after) had two winners in some rounds."""
     claimants, rounds, period = 4, 120, 0.1  # the old claim had two winners in about 8 of 100 such rounds
     t0 = time.time() + 3  # every claimant has started and imported by then
-    procs = [subprocess.Popen([sys.executable, "-c", CLAIMANT, str(tmp_path), repr(t0), str(rounds), str(period)],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(claimants)]
-    outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIMANT, str(tmp_path), repr(t0), str(rounds), str(period),
+                               str(me), str(claimants)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+             for me in range(claimants)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs)
     winners = {r: 0 for r in range(rounds)}
     for output in outputs:
