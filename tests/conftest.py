@@ -9,12 +9,16 @@ Plain functions (``from conftest import ...``, e.g. in tests/browser_helpers.py)
 - ``run(script, nproc, args, run_dir, **launch_options)``: a quiet ``course.launcher.launch``
 - ``executed_notebook(stem)``: the notebook run headless once per test session, as ``make course`` runs it;
   tests assert on what that one run printed and wrote rather than running its scripts again
+- ``notebook_scripts(path)``: the scripts a notebook writes (``%%writefile``) and the script names its other
+  code cells mention
 """
 
 import json
 import os
+import re
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -111,21 +115,90 @@ class NotebookRun:
 
 
 _EXECUTED: dict[str, NotebookRun] = {}
+_PLANNED: list[str] = []  # notebooks this session executes anyway (test_notebooks), run together on first need
+WRITEFILE = "%%writefile ../scripts/"
+
+
+def notebook_scripts(path: Path) -> tuple[dict[str, str], set[str]]:
+    """({script name: the exact text its %%writefile cell writes}, {script names the other code cells mention})."""
+    import nbformat
+
+    written, mentioned = {}, set()
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        if cell.source.startswith(WRITEFILE):
+            first, _, body = cell.source.partition("\n")
+            name = first[len(WRITEFILE):].strip()
+            assert name not in written, f"{name} is written by two cells of {path.name}"
+            written[name] = body if body.endswith("\n") else body + "\n"  # IPython adds the newline
+        else:
+            mentioned |= set(re.findall(r"(\w+\.py)\b", cell.source))
+    return written, mentioned
+
+
+def notebooks_that_clash(stems) -> set[frozenset]:
+    """Pairs of notebooks that must not run at the same time: one launches a script the other writes
+    (%%writefile empties the file before writing it), or both belong to one chapter (04 and 04b share
+    runs/04_pitfalls)."""
+    scripts = {stem: notebook_scripts(ROOT / "notebooks" / f"{stem}.ipynb") for stem in stems}
+    return {frozenset((a, b)) for a in stems for b in stems if a < b and
+            (a[:2] == b[:2] or scripts[a][0].keys() & scripts[b][1] or scripts[b][0].keys() & scripts[a][1])}
+
+
+def pytest_collection_finish(session):
+    """Plan the notebooks that the selected tests of test_notebooks execute: the first test that needs any of
+    them runs them all."""
+    stems = {item.callspec.params["path"].stem for item in session.items
+             if item.originalname == "test_notebook_executes_headless"}
+    _PLANNED[:] = sorted(stems) if len(stems) > 1 else []
+
+
+def _execute(stem: str) -> NotebookRun:
+    from course.run_notebooks import execute
+
+    out = Path(tempfile.mkdtemp(prefix=f"course-notebook-{stem}-"))
+    started = time.time()
+    ok, seconds, error = execute(ROOT / "notebooks" / f"{stem}.ipynb", out_dir=out)
+    return NotebookRun(stem, ok, seconds, error, out / f"{stem}.ipynb", started)
+
+
+def _execute_planned(at_once: int) -> None:
+    """Every planned notebook, ``at_once`` at a time (two on the 2-core machine: much of a notebook's time is one
+    core importing torch or waiting on a timeout). Two that clash never overlap, the earlier one by name runs
+    first, and a notebook that others wait for starts before those that hold nobody up."""
+    pending = [stem for stem in _PLANNED if stem not in _EXECUTED]
+    _PLANNED.clear()
+    clash = notebooks_that_clash(pending)
+    waits_for = {s: [t for t in pending if t < s and frozenset((s, t)) in clash] for s in pending}
+    holds_up = {s: sum(s in waits_for[t] for t in pending) for s in pending}
+    running = {}
+    with ThreadPoolExecutor(at_once) as pool:
+        while pending or running:
+            ready = [s for s in pending if all(t in _EXECUTED for t in waits_for[s])
+                     and not any(frozenset((s, r)) in clash for r in running.values())]
+            for stem in sorted(ready, key=lambda s: (-holds_up[s], s))[:at_once - len(running)]:
+                pending.remove(stem)
+                running[pool.submit(_execute, stem)] = stem
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                _EXECUTED[running.pop(future)] = future.result()
 
 
 def executed_notebook(stem: str) -> NotebookRun:
     """Notebook ``notebooks/<stem>.ipynb`` executed headless once per session (the first caller pays, a few
-    minutes), as `make course QUICK=1` runs it. Its runs go where the notebook puts them (runs/<stem>/...)."""
+    minutes), as `make course QUICK=1` runs it. Its runs go where the notebook puts them (runs/<stem>/...).
+    When the session executes several notebooks anyway, the first caller runs them all, two at a time
+    (``COURSE_TEST_NOTEBOOKS_AT_ONCE``, 1 for one at a time)."""
     if stem not in _EXECUTED:
         from course.datagen import ensure_datasets
-        from course.run_notebooks import execute
 
         ensure_datasets(quiet=True)
-        out = Path(tempfile.mkdtemp(prefix=f"course-notebook-{stem}-"))
-        started = time.time()
         with mock.patch.dict(os.environ, {"COURSE_QUICK": "1", "COURSE_ANSWER_KEY": "1"}):  # the kernel inherits it
-            ok, seconds, error = execute(ROOT / "notebooks" / f"{stem}.ipynb", out_dir=out)
-        _EXECUTED[stem] = NotebookRun(stem, ok, seconds, error, out / f"{stem}.ipynb", started)
+            if stem in _PLANNED:
+                _execute_planned(max(1, int(os.environ.get("COURSE_TEST_NOTEBOOKS_AT_ONCE", "2"))))
+            if stem not in _EXECUTED:
+                _EXECUTED[stem] = _execute(stem)
     return _EXECUTED[stem]
 
 

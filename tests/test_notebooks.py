@@ -4,24 +4,20 @@ import re
 
 import nbformat
 import pytest
-from conftest import executed_notebook
+from conftest import executed_notebook, notebook_scripts, notebooks_that_clash
 
 from course import ROOT, SCRIPTS
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-WRITEFILE = "%%writefile ../scripts/"
 
 
 def written_scripts() -> dict[str, tuple[str, str]]:
     """{script name: (notebook name, exact text %%writefile writes)} over all notebooks."""
     found = {}
     for path in NOTEBOOKS:
-        for cell in nbformat.read(path, as_version=4).cells:
-            if cell.cell_type == "code" and cell.source.startswith(WRITEFILE):
-                first, _, body = cell.source.partition("\n")
-                name = first[len(WRITEFILE):].strip()
-                assert name not in found, f"{name} is written by two cells"
-                found[name] = (path.name, body if body.endswith("\n") else body + "\n")  # IPython adds the newline
+        for name, text in notebook_scripts(path)[0].items():
+            assert name not in found, f"{name} is written by two notebooks"
+            found[name] = (path.name, text)
     return found
 
 
@@ -52,6 +48,16 @@ def test_committed_scripts_equal_what_the_notebooks_write():
         assert (SCRIPTS / name).read_text() == text, f"scripts/{name} differs from what {notebook} writes"
     for path in SCRIPTS.glob("*.py"):
         assert path.name in written, f"scripts/{path.name} is not written by any notebook"
+
+
+def test_notebooks_that_share_a_script_or_a_chapter_never_run_at_once():
+    """The suite runs notebooks two at a time (conftest): not one that launches a script while another writes it,
+    nor two of one chapter (they share its runs folder)."""
+    clash = notebooks_that_clash([p.stem for p in NOTEBOOKS])
+    assert frozenset(("01_single_device", "03_ddp_five_steps")) in clash  # 03 launches train_single.py
+    assert frozenset(("03_ddp_five_steps", "06_multinode_and_faults")) in clash  # 06 launches train_ddp.py
+    assert frozenset(("04_pitfalls", "04b_pitfalls_reference")) in clash
+    assert frozenset(("00_environment", "07_capstone_flowers")) not in clash
 
 
 def test_scripts_and_tests_pass_ruff():

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from course import QUICK, ROOT, RUNS
 
 NOTEBOOKS = ROOT / "notebooks"
 EXECUTED = ROOT / "build" / "notebooks"
+_SIGNING = threading.Lock()  # the signature store is one sqlite file: one writer at a time (tests run two notebooks)
 
 
 def execute(path: Path, out_dir: Path = EXECUTED, cell_timeout: int = 1200) -> tuple[bool, float, str]:
@@ -49,7 +51,8 @@ def execute(path: Path, out_dir: Path = EXECUTED, cell_timeout: int = 1200) -> t
             km.shutdown_kernel(now=False)
         shutil.rmtree(sockets, ignore_errors=True)
         out_dir.mkdir(parents=True, exist_ok=True)
-        NotebookNotary().sign(nb)  # trusted: Lab will render the TensorBoard iframe and widgets
+        with _SIGNING:
+            NotebookNotary().sign(nb)  # trusted: Lab will render the TensorBoard iframe and widgets
         nbformat.write(nb, out_dir / path.name)
     return not error, time.monotonic() - start, error
 
