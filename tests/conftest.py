@@ -11,6 +11,8 @@ Plain functions (``from conftest import ...``, e.g. in tests/browser_helpers.py)
   tests assert on what that one run printed and wrote rather than running its scripts again
 - ``notebook_scripts(path)``: the scripts a notebook writes (``%%writefile``) and the script names its other
   code cells mention
+- ``notebooks_that_clash(stems)``: the pairs of notebooks that must not run at the same time (one launches a
+  script the other writes, or both belong to one chapter)
 """
 
 import json
