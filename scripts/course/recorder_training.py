@@ -26,7 +26,7 @@ MAX_STEPS = 40  # fingerprints of the first optimizer steps: enough for every fi
 MAX_INDICES = 200_000  # per pass; longer passes keep their length and first indices only
 STEPS = int(os.environ.get("COURSE_RECORD_STEPS") or 0)
 LOSS_NODES = ("LossBackward0", "MeanBackward0", "MeanBackward1")  # a mean over the batch
-state = {"depth": 0, "steps": 0, "last": {}, "names": {}, "scaled": {}}
+state = {"depth": 0, "steps": 0, "last": {}, "names": {}, "scaled": {}, "params": []}
 record: dict = {}
 now = None
 
@@ -75,6 +75,7 @@ def _module_key(module) -> int:
         keys[id(module)] = len(keys)
         for name, p in named:
             state["names"][id(p)] = name.removeprefix("module.").removeprefix("_orig_mod.")
+        state["params"].append([p for _, p in named])
         sharded = any(hasattr(p, "placements") and any(pl.is_shard() for pl in p.placements) for _, p in named)
         record["modules"].append({"class": type(module).__name__, "names": [state["names"][id(p)] for _, p in named],
                                   "shapes": [list(p.shape) for _, p in named], "sharded": sharded,
@@ -103,9 +104,12 @@ def _post_forward(module, args, output):
 
 
 def _pre_step(optimizer, args, kwargs):
+    """Every gradient of the model(s) just before a step: all of them, not only this optimizer's (a ZeRO-1
+    optimizer holds a different share on each rank, while every gradient must still be averaged)."""
     if state["steps"] >= MAX_STEPS:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in state["params"] for p in group] or \
+        [p for group in optimizer.param_groups for p in group["params"]]
     keys = state.setdefault("optimizers", {})
     opt = keys.setdefault(id(optimizer), len(keys))
     names = [state["names"].get(id(p), f"param{i}") for i, p in enumerate(params)]

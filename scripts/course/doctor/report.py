@@ -19,7 +19,7 @@ LESSONS = {  # where the course teaches each finding
     "collective-mismatch": "notebook 04b, pitfall 12", "accum-not-divided": "exercise 6 of notebook 09; notebook 05",
     "accum-sync": "notebook 05 (accumulation with no_sync)", "find-unused": "notebook 05",
     "oversubscribed": "notebook 04, pitfall 4", "not-equivalent": "notebook 03 (the proofs)",
-    "script-failed": "the traceback above"}
+    "device-mismatch": "notebook 04, pitfall 3"}
 
 
 @dataclass

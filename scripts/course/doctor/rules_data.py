@@ -32,7 +32,8 @@ def by_loader(rec: dict, train: bool) -> list:
 
 def _local_rank_hint(records) -> str:
     if len(records) > 1 and all((r["env"].get("LOCAL_RANK") or "0") == "0" for r in records.values()):
-        return " (LOCAL_RANK is 0 on every node here: was it used where RANK belongs?)"
+        return (" (this run had one process per simulated node, so LOCAL_RANK was 0 on every rank: if the script "
+                "tests LOCAL_RANK where it means the global rank, use RANK)")
     return ""
 
 
@@ -56,7 +57,7 @@ def sharding(records: dict, facts) -> None:
             f"the {a[0]['sampler']} of each of the {len(ranks)} ranks yields all {size} samples per pass"
             + (f"; both start with samples {_first(a[0]['indices'])}" if same else ""),
             "give the DataLoader `sampler=DistributedSampler(dataset)` (and shuffle=False on the DataLoader), "
-            "so that each rank takes 1/world_size of the samples" + _local_rank_hint(records)))
+            "so that each rank takes 1/world_size of the samples"))
         return
     counts = Counter(i for p in a for i in set(p["indices"]))
     twice = sorted(i for i, c in counts.items() if c > 1)
@@ -171,7 +172,8 @@ def evaluation(records: dict, facts) -> None:
         facts.add(Finding(
             "eval-padding", "Evaluation counts samples twice: the DistributedSampler pads the validation set so that "
             "every rank gets as many samples.",
-            f"{one['size']} validation samples padded to {dist['total_size']}; counted on two ranks: {_first(twice)}",
+            f"{one['size']} validation samples padded to {dist['total_size']}; evaluated on two ranks: sample(s) "
+            f"{_first(twice)}",
             "split validation without padding (Subset(val_set, range(rank, len(val_set), world_size))) and "
             "all_reduce the counts"))
     elif size and all(p["count"] < size for p in first.values()) and len(first) > 1:

@@ -4,6 +4,7 @@ gradients, gradient accumulation, DDP's costly settings, and hangs (where every 
 dump and the flight recorder) or collectives that do not match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
 
 import os
+import re
 
 from course.doctor.report import COST, Finding
 
@@ -282,3 +283,13 @@ def hangs(run, facts) -> bool:
                       "; ".join(where), "every rank must call every collective, as often and in the same order: "
                       "look for a collective inside an `if` on the rank, or loops of different lengths"))
     return True
+
+
+def own_error(run, facts) -> None:
+    """A failure of the script's own that names a data-parallel mistake."""
+    text = run.failure or ""
+    match = re.search(r"Expected all tensors to be on the same device[^\n]*", text)
+    if match:
+        facts.add(Finding("device-mismatch", "A tensor the model uses is on another device than the model.",
+                          match[0][:200], "move it with the model: register it as a buffer (self.register_buffer) "
+                          "or create it with device=...; a loss's class weights go to the device too"))

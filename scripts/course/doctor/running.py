@@ -46,18 +46,32 @@ class Run:
         return self.returncode is None
 
 
-def _commands(job: Job, log_dir: str) -> list:
-    from course.launcher import free_port, plan, torchrun_command
+_PORTS: set = set()  # rendezvous ports given out in this process: two runs at once never share one
+_PORTS_LOCK = threading.Lock()
+
+
+def _port() -> int:
+    from course.launcher import free_port
+
+    with _PORTS_LOCK:
+        while (port := free_port()) in _PORTS:
+            time.sleep(0.01)
+        _PORTS.add(port)
+        return port
+
+
+def _commands(job: Job, log_dir: str, plain: bool = False) -> list:
+    from course.launcher import plan, torchrun_command
 
     chosen = plan(job.nproc, allow_oversubscribe=True)
-    args = [str(job.script), *map(str, job.args)]
+    script, args = (job.script, list(map(str, job.args))) if plain else (RECORDER, [str(job.script), *map(str, job.args)])
     if job.nodes == 1:
-        return [("", torchrun_command(RECORDER, job.nproc, args, ["--log-dir", log_dir]), chosen.env())]
-    port = free_port()
+        return [("", torchrun_command(script, job.nproc, args, ["--log-dir", log_dir]), chosen.env())]
+    port = _port()
     per_node = job.nproc // job.nodes
     return [(f"node{n}", torchrun_command(
-        RECORDER, per_node, args, [f"--nnodes={job.nodes}", f"--node-rank={n}", "--rdzv-backend=c10d",
-                                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=doctor",
+        script, per_node, args, [f"--nnodes={job.nodes}", f"--node-rank={n}", "--rdzv-backend=c10d",
+                                   f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=doctor-{port}",
                                    "--log-dir", os.path.join(log_dir, f"node{n}")],
         standalone=False), chosen.env()) for n in range(job.nodes)]
 
@@ -83,8 +97,9 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
     stop.set()
 
 
-def run(job: Job, out: Path, on_line=None) -> Run:
-    """Run ``job`` with its records in ``out`` (created); the learner's files are put back afterwards."""
+def run(job: Job, out: Path, on_line=None, plain: bool = False) -> Run:
+    """Run ``job`` with its records in ``out`` (created); the learner's files are put back afterwards.
+    plain=True: the script alone, without the recorder (for measuring what the recorder costs)."""
     from course.launcher import LaunchError, run_commands
 
     out.mkdir(parents=True)
@@ -92,7 +107,7 @@ def run(job: Job, out: Path, on_line=None) -> Run:
     env = {"COURSE_RECORD_OUT": str(out), "COURSE_RECORD_TRAINING": "1", "COURSE_RECORD_PROTECT": "1",
            "COURSE_RECORD_STEPS": str(job.steps), "COURSE_RECORD_PG_TIMEOUT": str(job.hang_after),
            "COURSE_RECORD_SINCE": str(time.time()), "TORCH_FR_BUFFER_SIZE": "4000"}
-    jobs = [(label, cmd, {**extra, **env}) for label, cmd, extra in _commands(job, log_dir)]
+    jobs = [(label, cmd, {**extra, **env}) for label, cmd, extra in _commands(job, log_dir, plain)]
     stop, done = threading.Event(), threading.Event()
     watcher = threading.Thread(target=_stop_when_hung, args=(out, job, stop, done), daemon=True)
     watcher.start()
