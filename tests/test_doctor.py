@@ -41,7 +41,9 @@ def test_correct_scripts_are_clean_and_mistakes_have_evidence(outcomes):
     set_epoch = outcomes["pitfall-2-set-epoch"].report.findings[0]
     assert "epoch was 0 both times" in set_epoch.evidence and "first samples" in set_epoch.evidence
     uneven = outcomes["pitfall-7-uneven"].report.findings[0]
-    assert "rank 0: 5 batches, rank 1: 4 batches" in uneven.evidence and "all_reduce" in uneven.evidence
+    assert "rank 0: 5 batches, rank 1: 4 batches" in uneven.evidence
+    one_shard = outcomes["exercise-6a"].report.findings[0]  # the hang it causes is told as its consequence
+    assert "the job then hung" in one_shard.evidence and "rank 1 in barrier at ex6a_debug.py" in one_shard.evidence
     mismatch = outcomes["pitfall-12-collective"].report.findings[0].evidence
     assert "rank 0 called all_reduce" in mismatch and "rank 1 called barrier" in mismatch
     assert "pitfall_collective.py:" in mismatch  # the line of each rank
@@ -56,8 +58,8 @@ def test_a_hang_names_where_each_rank_was(outcomes):
 
 
 def test_nothing_is_left_running_after_any_case(outcomes):
-    for name in {o.case.script.name for o in outcomes.values()}:
-        assert wait_for_no_processes(f"/{name}", timeout=10) == [], name
+    for script in {str(o.case.script) for o in outcomes.values()}:
+        assert wait_for_no_processes(script, timeout=10) == [], script
 
 
 def test_the_learners_folder_is_as_it_was(outcomes):
@@ -66,7 +68,7 @@ def test_the_learners_folder_is_as_it_was(outcomes):
     assert (outcome.cwd / "checkpoint.pt").read_text() == "the learner's own checkpoint"
     writes = outcomes["learner-save-every-rank"]
     assert sorted(p.name for p in writes.cwd.iterdir()) == []  # runs_local/ was created by the run: gone
-    moved = {p.name for p in (writes.folder / "files").rglob("*") if p.is_file()}
+    moved = {p.name for p in writes.folder.rglob("*") if p.is_file() and "files" in p.relative_to(writes.folder).parts}
     assert {"last.pt", "log.csv"} <= moved and any(n.startswith("events.out.tfevents") for n in moved)
 
 
@@ -103,12 +105,13 @@ def test_exit_status_follows_the_linters():
 
 @pytest.mark.parametrize("argv, message", [
     (["no_such_script.py"], "error: no such script: no_such_script.py"),
-    (["--steps", "-1", "x.py"], "argument --steps: -1 must be >= 0"),
+    (["--steps", "-1", "x.py"], "error: argument --steps: -1 must be >= 0"),
     (["--compare-batch-arg=--batch-size", "tests/fixtures/doctor/crashes.py"],
      "error: --compare-batch-arg=--batch-size: the script's arguments hold no `--batch-size N` to split"),
 ])
 def test_bad_input_gets_one_line_and_status_2(argv, message):
     result = subprocess.run([sys.executable, "-m", "course.doctor", *argv], cwd=ROOT, capture_output=True, text=True,
+                            check=False,
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -328,13 +328,12 @@ def main():
         runpy.run_path(script, run_name="__main__")
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
-            tb = error.__traceback__
-            at = ""
-            while tb is not None:
-                if tb.tb_frame.f_code.co_filename == SCRIPT:
-                    at = f"{os.path.basename(SCRIPT)}:{tb.tb_lineno}"
-                tb = tb.tb_next
-            record["errors"].append({"in": "script", "where": at, "error": f"{type(error).__name__}: {error}"[:300]})
+            import traceback
+
+            frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == SCRIPT]
+            record["errors"].append({"in": "script", "t": now(), "error": f"{type(error).__name__}: {error}"[:300],
+                                     "where": f"{os.path.basename(SCRIPT)}:{frames[-1].lineno}" if frames else "",
+                                     "code": frames[-1].line if frames else ""})
         raise
 
 

@@ -65,9 +65,8 @@ def diagnose(run: Run) -> Report:
     cut = f"DataLoader passes cut to {job.steps} batches" if job.steps else "passes not cut"
     report = Report(str(job.script), f"{job.nproc} processes ({shape}); {cut}", seconds=run.seconds)
     facts = Facts(str(job.cwd.resolve()))
-    if len(records) < job.nproc:
-        report.error = (f"the script ended before every rank recorded anything ({len(records)} of {job.nproc})"
-                        + (f":\n{run.failure}" if run.failure else ""))
+    if len(records) < job.nproc and run.returncode in (0, None):
+        report.error = f"the script ended before every rank recorded anything ({len(records)} of {job.nproc})"
     hung = rules_sync.hangs(run, facts)
     complete = len(records) == job.nproc  # rules that compare ranks need every rank's record
     if complete and rules_sync.process_group(records, facts):
@@ -90,7 +89,7 @@ def diagnose(run: Run) -> Report:
         rules_data.writes(records, facts)
     rules_sync.own_error(run, facts)
     if run.returncode not in (0, None) and not hung and not report.error:
-        report.error = f"the script failed on its own (exit code {run.returncode}):\n{run.failure}"
+        report.error = f"the script failed on its own (exit code {run.returncode}): {_own_failure(run)}"
     elif run.timed_out and not hung:
         report.error = (f"the job was still running after {job.timeout:.0f} s, every rank at the same collective, "
                         "and was stopped: give it a larger --timeout or fewer --steps per pass")
@@ -101,6 +100,21 @@ def diagnose(run: Run) -> Report:
         report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
                         f"{len(run.moved)} new file(s) moved to the doctor's folder")
     return report
+
+
+VICTIM = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def _own_failure(run: Run) -> str:
+    """The first rank that failed by an error of its own (not one that only saw another die): from the records,
+    else the launcher's account of the output."""
+    errors = [(rec.get("t0_ns", 0) / 1e9 + e.get("t", 0), r, e) for r, rec in run.records.items()
+              for e in rec.get("errors", []) if e["in"] == "script" and not any(v in e["error"] for v in VICTIM)]
+    if not errors:
+        return "\n" + run.failure
+    _, rank, error = min(errors, key=lambda item: item[0])
+    where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
+    return f"rank {rank}{where}: {error['error']}"
 
 
 def _hints(script: Path, facts: Facts) -> list:
@@ -175,7 +189,7 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         raise ValueError(f"no such script: {script}")
     acc, count = accelerator()
     gpus = count if acc and acc != "mps" else 0
-    nproc = nproc or (gpus if gpus >= 2 else 2)
+    nproc = nproc or (max(gpus, 2))
     nodes = nodes or (1 if gpus >= 2 else nproc)
     if nproc < 2 or nproc % nodes:
         raise ValueError(f"nproc={nproc}, nodes={nodes}: the doctor needs 2 processes or more, split evenly over nodes")

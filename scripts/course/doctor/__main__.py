@@ -4,11 +4,16 @@ mistakes. Exit status: 0 nothing wrong (cost notes allowed), 1 a mistake found, 
 import argparse
 import sys
 
-from course.args import positive_float, positive_int
+from course.args import nonnegative_int, positive_float, positive_int
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every bad input gets (no usage block)
+        self.exit(2, f"error: {message} (python -m course.doctor --help)\n")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m course.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Everything after SCRIPT goes to the script. Files it overwrites are restored afterwards; files it "
                "creates are moved to runs/doctor/<script>/files.")
@@ -18,15 +23,13 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=positive_float, default=180, help="seconds for the whole job")
     parser.add_argument("--hang-after", type=positive_float, default=30,
                         help="the process-group timeout the script gets: a hang ends after it")
-    parser.add_argument("--steps", type=int, default=8, help="training batches per pass over a DataLoader (0: all)")
+    parser.add_argument("--steps", type=nonnegative_int, default=8, help="batches per pass over a DataLoader (0: all)")
     parser.add_argument("--compare-batch-arg", default=None, metavar="FLAG",
                         help="e.g. --batch-size: also run 1 process with FLAG's value and compare the first losses")
     parser.add_argument("--show-output", action="store_true", help="stream the script's own output")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
-    if options.steps < 0:
-        parser.error(f"argument --steps: {options.steps} must be >= 0")
     from course.doctor import check
 
     try:

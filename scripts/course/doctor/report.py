@@ -68,7 +68,7 @@ class Report:
             n = len(self.mistakes)
             return f"{n} mistake{'s' if n > 1 else ''} found"
         if self.error:
-            return "could not check everything: " + self.error.splitlines()[0]
+            return "could not check everything"
         return "no mistake found" + (" (cost notes below)" if self.findings else "")
 
     def text(self) -> str:

@@ -5,6 +5,7 @@ ranks, its order from epoch to epoch, evaluation, batches per rank, and files wr
 Each rule takes the records (rank -> record) and the ``Facts`` being built, and adds findings, what it checked
 and what it could not check."""
 
+import itertools
 import os
 import re
 from collections import Counter
@@ -105,7 +106,7 @@ def epoch_order(records: dict, facts) -> None:
             if group[0]["distributed"] and not group[0]["distributed"]["shuffle"]:
                 continue
             checked = True
-            for prev, cur in zip(group, group[1:]):
+            for prev, cur in itertools.pairwise(group):
                 if prev["indices"] and prev["indices"] == cur["indices"]:
                     epochs = [p["distributed"]["epoch"] for p in (prev, cur)] if prev["distributed"] else None
                     facts.add(Finding(
@@ -222,7 +223,7 @@ def oversubscribed(records: dict, facts) -> None:
     """CPU ranks: threads x processes + DataLoader workers against the cores."""
     rec = records[min(records)]
     threads, cpus = rec.get("threads", {}).get("torch", 1), rec.get("threads", {}).get("cpus") or 1
-    local = int(rec["env"].get("LOCAL_WORLD_SIZE") or 1)
+    local = len(records)  # the doctor's simulated nodes all run on this machine
     if not rec.get("modules") or rec["modules"][0]["device"] != "cpu":
         return
     workers = max((p["workers"] for p in rec.get("loaders", [])), default=0)

@@ -10,7 +10,8 @@ from course.doctor.report import COST, Finding
 
 RTOL = 1e-6  # fingerprints of replicas agree to float rounding; every mistake looked for is far larger
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single")
-HUNG = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "DistStoreError")
+# A wait that ran out: a hang. ("Connection closed by peer" is not one: it is a rank that saw another die.)
+HUNG = ("Timed out", "timed out", "DistStoreError", "wait timeout")
 
 
 def _same(a, b) -> bool:
@@ -126,13 +127,13 @@ def gradients(records: dict, facts) -> None:
         bad = [n for i, n in enumerate(g0["names"])
                if not all(_same(per[r][key]["fp"][i], g0["fp"][i]) for r in ranks)]
         if bad:
-            factors = _factors(per, ranks, key)
+            factors = _factors(per, ranks, key, bad)
             if factors:
                 facts.add(Finding(
                     "grads-scaled", "Every rank applies the averaged gradient times a factor of its own, so the "
                     "replicas drift apart.", f"before optimizer step {key[1]} the gradients of rank "
-                    + ", ".join(f"{r} are {f:.4g}x" for r, f in factors.items()) + f" rank {ranks[0]}'s, on every "
-                    "parameter", "keep per-rank state that scales the gradients identical on every rank: a "
+                    + ", ".join(f"{r} are {f:.4g}x" for r, f in factors.items()) + f" rank {ranks[0]}'s ({', '.join(bad[:3])})",
+                    "keep per-rank state that scales the gradients identical on every rank: a "
                     "GradScaler restored from a checkpoint on one rank only, a loss scale, a learning rate"))
                 return
             every = len(bad) == len(g0["names"])
@@ -147,13 +148,14 @@ def gradients(records: dict, facts) -> None:
             return
 
 
-def _factors(per: dict, ranks: list, key) -> dict:
-    """{rank: factor} when each rank's gradients are rank 0's times one factor of its own (else {})."""
-    base = per[ranks[0]][key]["fp"]
+def _factors(per: dict, ranks: list, key, bad: list) -> dict:
+    """{rank: factor} when each rank's differing gradients are rank 0's times one factor of its own (else {})."""
+    names = per[ranks[0]][key]["names"]
+    base = [fp for n, fp in zip(names, per[ranks[0]][key]["fp"]) if n in bad]
     found = {}
     for r in ranks[1:]:
-        ratios = [fp[0] / b[0] for fp, b in zip(per[r][key]["fp"], base)
-                  if fp is not None and b is not None and abs(b[0]) > 1e-12]
+        mine = [fp for n, fp in zip(names, per[r][key]["fp"]) if n in bad]
+        ratios = [fp[0] / b[0] for fp, b in zip(mine, base) if fp is not None and b is not None and abs(b[0]) > 1e-12]
         if not ratios or any(abs(x - ratios[0]) > 1e-4 * abs(ratios[0]) for x in ratios):
             return {}
         found[r] = ratios[0]
@@ -215,14 +217,16 @@ def _stuck_line(r: int, rec: dict, stuck: dict) -> str:
     where = f"{os.path.basename(script)}:{frames[-1]['line']}" if frames else "outside the script"
     current = stuck.get("current") or {}
     fr = stuck.get("fr") or rec.get("fr") or []
-    op = current.get("op") or ((fr[-1].get("profiling_name") or "?").split(":")[-1] if fr else "?")
+    if not current and not fr:
+        return f"rank {r} at {where}, in no collective"
+    op = current.get("op") or (fr[-1].get("profiling_name") or "?").split(":")[-1]
     seq = fr[-1].get("collective_seq_id") if fr else None
     return f"rank {r} in {op} at {where}" + (f" (its collective #{seq})" if seq else "")
 
 
 def _error_line(r: int, rec: dict) -> str:
     """Where a rank was when its wait ended in a timeout (or its peer's disconnection)."""
-    failed = [c for c in rec.get("collectives", []) if c.get("error")]
+    failed = [c for c in rec.get("collectives", []) if any(h in c.get("error", "") for h in HUNG)]
     if failed:
         return f"rank {r} in {failed[-1]['op']} at {failed[-1]['where']}"
     errors = [e for e in rec.get("errors", []) if any(h in e["error"] for h in HUNG)]
@@ -288,8 +292,9 @@ def hangs(run, facts) -> bool:
 def own_error(run, facts) -> None:
     """A failure of the script's own that names a data-parallel mistake."""
     text = run.failure or ""
-    match = re.search(r"Expected all tensors to be on the same device[^\n]*", text)
+    match = re.search(r"[^\n]*(Expected all tensors to be on the same device|is not on the expected device)[^\n]*",
+                      text)
     if match:
         facts.add(Finding("device-mismatch", "A tensor the model uses is on another device than the model.",
-                          match[0][:200], "move it with the model: register it as a buffer (self.register_buffer) "
+                          match[0].strip()[:200], "move it with the model: register it as a buffer (self.register_buffer) "
                           "or create it with device=...; a loss's class weights go to the device too"))

@@ -91,7 +91,7 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
     if done.wait(job.timeout):
         return
     (out / "dump-now").touch()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while len(list(out.glob("stuck_rank*.json"))) < job.nproc and time.monotonic() < deadline:
         time.sleep(0.1)
     stop.set()
