@@ -193,3 +193,50 @@ def test_default_build_and_other_platforms_need_nothing(capsys):
 
 def test_cpu_pins_are_those_of_requirements_txt():
     assert setup_torch.pinned() == {k: v for k, v in pins("requirements.txt").items() if k in ("torch", "torchvision")}
+
+
+def _wheel(folder: Path, name: str, version: str, requires: str = "") -> None:
+    """A minimal pure-Python wheel standing in for PyTorch's (only its name and version matter here)."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    (folder / name).mkdir(parents=True)
+    with zipfile.ZipFile(folder / name / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TORCH=cpu acts on Linux only")
+def test_cpu_wheels_installed_from_an_index_satisfy_requirements_txt(tmp_path):
+    """The whole path in a throwaway venv, against a local index holding stand-ins for the +cpu wheels: setup installs
+    them, and afterwards requirements.txt's `torch==2.14.1` is already satisfied (a local label such as +cpu is
+    ignored by a pin without one), so `pip install -r requirements.txt` downloads no second PyTorch."""
+    want = pins("requirements.txt")
+    index = tmp_path / "index"
+    _wheel(index, "torch", f"{want['torch']}+cpu")
+    _wheel(index, "torchvision", f"{want['torchvision']}+cpu", f"Requires-Dist: torch=={want['torch']}\n")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: _Index(*a, directory=str(index)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    venv = tmp_path / "venv"
+    env = {"PATH": "/usr/bin:/bin", "PIP_CONFIG_FILE": "/dev/null", "PIP_NO_INPUT": "1", "HOME": str(tmp_path)}
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=env)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = subprocess.run([venv / "bin" / "python", "-I", SETUP_TORCH, "--torch", "cpu", "--index", url],
+                             capture_output=True, text=True, timeout=300, env=env, check=False)
+    finally:
+        server.shutdown()
+    said = f"make setup: PyTorch {want['torch']}, CPU-only build, from {url}\n"
+    assert out.returncode == 0 and out.stdout == said, out.stdout + out.stderr
+    show = "import torch, torchvision; print(torch.__version__, torchvision.__version__)"
+    versions = subprocess.run([venv / "bin" / "python", "-c", show], capture_output=True, text=True, timeout=60,
+                              env=env, check=True).stdout.split()
+    assert versions == [f"{want['torch']}+cpu", f"{want['torchvision']}+cpu"]
+    again = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--dry-run",
+                            f"torch=={want['torch']}", f"torchvision=={want['torchvision']}"],
+                           capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert again.returncode == 0 and again.stdout.count("Requirement already satisfied") == 2, again.stdout + again.stderr
