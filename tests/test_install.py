@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from test_environment import pins as pinned_in
 
 from course import ROOT, SCRIPTS, setup_torch
 from course.launcher import free_port
@@ -25,7 +26,7 @@ SETUP_TORCH = SCRIPTS / "course" / "setup_torch.py"
 
 
 def pins(name: str) -> dict[str, str]:
-    return dict(re.findall(r"^([A-Za-z0-9_.\-]+)==([^\s#]+)", (ROOT / name).read_text(), re.MULTILINE))
+    return pinned_in((ROOT / name).read_text().splitlines())
 
 
 def _norm(name: str) -> str:
