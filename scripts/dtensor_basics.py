@@ -25,7 +25,9 @@ def show(rank, what, t):
 
 
 def main():
-    JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # no flags
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", help="not used: the script only prints (a launcher may pass one)")
+    parser.parse_args()  # any other argument: one error line
     acc = torch.accelerator.current_accelerator(check_available=True)
     per_rank = acc is not None and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
     device_type = acc.type if per_rank and acc.type != "mps" else "cpu"  # the hardware rule, in short
