@@ -1,22 +1,29 @@
 # The course in two commands:  `make course`  (set up + run every notebook headless)
-#                              `make test`    (set up + run the test suite; .ci/run calls it)
+#                              `make test`    (set up + the test tools + run the test suite; .ci/run calls it)
 # QUICK=1 shrinks every run so the whole course finishes in minutes on a 2-core CPU.
+# TORCH=cpu (Linux without an NVIDIA GPU): PyTorch's CPU-only build from TORCH_CPU_INDEX instead of PyPI's
+# CUDA build; where that index cannot be reached, one line says so and the default build is installed.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 QUICK  ?= 0
+TORCH  ?= default
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 export COURSE_QUICK := $(QUICK)
 
 .PHONY: setup data course test bench lab gpu-check clean
 
 setup: $(VENV)/.installed
 
-# Rebuilt only when the pins change. The kernelspec inside the venv makes notebooks run on this
-# venv's Python even if another "python3" kernel is installed on the machine.
+# Rebuilt only when the pins change (one stamp per requirements file: `make test` after `make course`
+# installs only the test tools). The kernelspec inside the venv makes notebooks run on this venv's Python
+# even if another "python3" kernel is installed on the machine.
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(PY) -I scripts/course/setup_torch.py --torch $(TORCH) --index $(TORCH_CPU_INDEX)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course)" >/dev/null
 	$(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements" >/dev/null 2>&1 || true
 	touch $@
@@ -28,7 +35,12 @@ data: setup
 course: data
 	COURSE_ANSWER_KEY=1 $(PY) -m course.run_notebooks
 
-test: data
+# The test tools (pytest, playwright, ruff): only for `make test`.
+$(VENV)/.installed-test: requirements-test.txt | $(VENV)/.installed
+	$(PIP) -r requirements-test.txt
+	touch $@
+
+test: data $(VENV)/.installed-test
 	$(PY) -m pytest --durations=15
 
 # Speed goals are measured here, not in timed tests: rounds and verdict in runs/benchmarks/*/metrics.json.

@@ -13,6 +13,7 @@ Every shape then continues with the same steps: their losses are the checkpoint'
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -21,8 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.args import JobParser, positive_float, positive_int
+from course.dcp_check import load_failure, problem
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 from train_2d import loss_context, pick_device, shard_model  # the same model and plan as train_2d.py
 
 
@@ -44,18 +47,41 @@ def train(model, optimizer, data, steps, args, mesh, device):
     return losses
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args():
+    """The flags, the data and the checkpoint to load, checked before the process group: one error line."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--save", help="train --steps, save the checkpoint here, then train --steps more")
     parser.add_argument("--load", help="load the checkpoint from here, then train --steps more")
-    parser.add_argument("--dp", type=int, default=2, help="size of 'dp'; 'tp' gets the rest of the ranks")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dp", type=positive_int, default=2, help="size of 'dp'; 'tp' gets the rest of the ranks")
+    parser.add_argument("--steps", type=positive_int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--run-dir", default="runs/dcp_reshape")
     args = parser.parse_args()
     if bool(args.save) == bool(args.load):
         parser.error("give exactly one of --save and --load")
+    world, heads = parser.world_size(), GPTConfig.n_head
+    if world % args.dp:
+        parser.error(f"argument --dp: {args.dp} rows do not divide the {world} processes into a grid")
+    if heads % (world // args.dp):
+        parser.error(f"argument --dp: {args.dp} leaves {world // args.dp} processes per 'tp' group, and the model's "
+                     f"{heads} heads do not split over them")
+    if args.batch_size % args.dp:
+        parser.error(f"argument --batch-size: {args.batch_size} does not split into {args.dp} equal slices, one per "
+                     "'dp' group")
+    if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
+        parser.error(f"argument --save: {args.save} is a file; a DCP checkpoint is a folder")
+    if args.load and (why := problem(args.load)) is not None:
+        parser.error(f"argument --load: {why}")
+    try:
+        data = load_lm_data(batch_size=args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    return args, data
+
+
+def main():
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -64,7 +90,6 @@ def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    data = load_lm_data()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size)
     args.layout, args.sequence_parallel = "2d", False  # train_2d.py's defaults
     model = shard_model(GPT(cfg).to(device), mesh, args)
@@ -77,7 +102,14 @@ def main():
     else:
         model_state, optim_state = get_state_dict(model, optimizer)  # the shapes this mesh wants
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=args.load)  # each rank reads the pieces of its own shards
+        try:
+            dcp.load(state, checkpoint_id=args.load)  # each rank reads the pieces of its own shards
+        except dcp.CheckpointException as error:  # raised on every rank alike (DCP gathers each rank's failure)
+            if rank == 0:
+                print(f"error: {load_failure(args.load, error)}", file=sys.stderr, flush=True)
+            dist.barrier()  # every rank got it; all leave together: gloo's exit race, notebook 03
+            dist.destroy_process_group()
+            raise SystemExit(2) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     after = train(model, optimizer, data, range(steps, 2 * steps), args, mesh, device)
     if rank == 0:

@@ -7,12 +7,15 @@ A DeviceMesh names the ranks (here a 1-D mesh of all of them); a placement per m
 each rank holds: Shard(d) a slice along dim d, Replicate() the whole tensor, Partial() a summand.
 redistribute() changes placements by running the collective that does it.
 """
+import argparse
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+from course.args import JobParser
 
 
 def show(rank, what, t):
@@ -22,6 +25,9 @@ def show(rank, what, t):
 
 
 def main():
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", help="not used: the script only prints (a launcher may pass one)")
+    parser.parse_args()  # any other argument: one error line
     acc = torch.accelerator.current_accelerator(check_available=True)
     per_rank = acc is not None and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
     device_type = acc.type if per_rank and acc.type != "mps" else "cpu"  # the hardware rule, in short
@@ -31,7 +37,9 @@ def main():
     rank = dist.get_rank()
 
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)  # the same on every rank
-    rows = distribute_tensor(full, mesh, [Shard(0)])  # each rank keeps its rows: no communication
+    # a scatter of rank 0's tensor (src_data_rank=0, the default); with src_data_rank=None each rank would keep
+    # the rows of its own copy, with no communication
+    rows = distribute_tensor(full, mesh, [Shard(0)])
     show(rank, "distribute_tensor(Shard(0))", rows)
     cols = rows.redistribute(mesh, [Shard(1)])  # all-to-all (gloo warns: all-gather + chunk instead)
     show(rank, "redistribute -> Shard(1)", cols)

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.args import JobParser, positive_int
 from course.comm_count import CollectiveCounter, bytes_sent
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 from train_2d import pick_device, shard_model  # the same model and plan as train_2d.py
 
 
@@ -47,11 +48,21 @@ def predict(units, shard, replicate, bytes_per=4):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dp", type=int, default=2, help="size of 'replicate'; 'shard' gets the rest")
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=positive_int, default=2, help="size of 'replicate'; 'shard' gets the rest")
+    parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--run-dir", default="runs/hsdp_bytes")
     args = parser.parse_args()
+    world = parser.world_size()  # checked before the process group starts: one error line
+    if world % args.dp:
+        parser.error(f"argument --dp: {args.dp} rows do not divide the {world} processes into a grid")
+    if args.batch_size % world:
+        parser.error(f"argument --batch-size: {args.batch_size} does not split into {world} equal slices, one per "
+                     "process")
+    try:
+        data = load_lm_data(batch_size=args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -61,7 +72,6 @@ def main():
     names = ("replicate", "shard")
     mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=names)
     torch.manual_seed(0)
-    data = load_lm_data()
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size)).to(device)
     in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
     units = [[tuple(p.shape) for p in b.parameters()] for b in model.blocks]

@@ -16,14 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.args import JobParser, positive_int
 from course.hardware import backend_for, pick_device
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dp", type=int, default=2, help="size of the first dimension; 'tp' gets the rest")
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=positive_int, default=2, help="size of the first dimension; 'tp' gets the rest")
     parser.add_argument("--run-dir", default="runs/mesh_basics")
     args = parser.parse_args()
+    if parser.world_size() % args.dp:  # before the process group starts: one error line
+        parser.error(f"argument --dp: {args.dp} rows do not divide the {parser.world_size()} processes into a grid")
     device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)

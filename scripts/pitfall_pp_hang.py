@@ -17,13 +17,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from course.args import JobParser, positive_float, positive_int
+
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fix", action="store_true", help="rank 1 sends with isend and waits at the end")
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=5, help="seconds a send or receive may wait")
+    parser.add_argument("--microbatches", type=positive_int, default=2)
+    parser.add_argument("--timeout", type=positive_float, default=5, help="seconds a send or receive may wait")
     args = parser.parse_args()
+    if parser.world_size() != 2:  # before the process group starts: one error line
+        parser.error(f"torchrun --nproc-per-node: the two stages need exactly 2 processes, not {parser.world_size()}")
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))  # p2p by hand: CPU tensors
     rank, shape = dist.get_rank(), (8, 9, 64)
     doing = "start"

@@ -16,13 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course.args import JobParser, positive_int
+
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fix", action="store_true", help="send a 3-number header with each tensor's shape")
-    parser.add_argument("--batch-size", type=int, default=30)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=30)
+    parser.add_argument("--microbatches", type=positive_int, default=4)
     args = parser.parse_args()
+    if parser.world_size() != 2:  # before the process group starts: one error line
+        parser.error(f"torchrun --nproc-per-node: the two stages need exactly 2 processes, not {parser.world_size()}")
     dist.init_process_group("gloo")  # p2p by hand: CPU tensors
     rank = dist.get_rank()
     torch.manual_seed(0)

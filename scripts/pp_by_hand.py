@@ -16,19 +16,34 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from course.args import JobParser, positive_int
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="AdamW steps in part 2")
-    parser.add_argument("--n-layer", type=int, default=2)
+    """The flags and the data, checked before the process group starts: bad input gets one error line."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--microbatches", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=3, help="AdamW steps in part 2")
+    parser.add_argument("--n-layer", type=positive_int, default=2)
     parser.add_argument("--run-dir", default="runs/pp_by_hand")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if parser.world_size() != 2:
+        parser.error(f"torchrun --nproc-per-node: this pipeline's 2 stages need exactly 2 processes, "
+                     f"not {parser.world_size()}")
+    if args.n_layer < 2:
+        parser.error(f"argument --n-layer: {args.n_layer} block cannot be cut into 2 stages")
+    if args.batch_size % args.microbatches:
+        parser.error(f"argument --microbatches: {args.microbatches} does not divide --batch-size {args.batch_size} "
+                     "(every receive buffer has one micro-batch's shape)")
+    try:
+        data = load_lm_data(batch_size=args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    return args, data
 
 
 def pick_device(local_rank):
@@ -76,16 +91,13 @@ def max_diff(stage, reference) -> float:
 
 
 def main():
-    args = parse_args()
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if world_size != 2:
-        raise SystemExit("pp_by_hand.py runs on exactly 2 processes (one stage each)")
-    data = load_lm_data()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer)
     torch.manual_seed(0)
     stage = GPTStage(GPT(cfg), rank, world_size).to(device)  # this rank's half
@@ -101,8 +113,6 @@ def main():
 
     # Part 2: GPipe over micro-batches, then a few optimizer steps on both
     m = args.microbatches
-    if args.batch_size % m:
-        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by --microbatches {m}")
     act_shape = (args.batch_size // m, cfg.block_size, cfg.n_embd)
     pipeline_step(stage, x, y, m, act_shape, device)
     gpipe = max_diff(stage, reference)

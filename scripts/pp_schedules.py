@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
+from course.args import JobParser, positive_int
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 from course.pp_recorder import StageRecorder
 
 SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
@@ -29,14 +30,33 @@ SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
+    """The flags and the data, checked before the process group starts: bad input gets one error line."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--microbatches", type=positive_int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--n-layer", type=positive_int, default=4)
+    parser.add_argument("--n-embd", type=positive_int, default=128)
     parser.add_argument("--run-dir", default="runs/pp_schedules")
-    return parser.parse_args()
+    args = parser.parse_args()
+    world_size, top, heads = parser.world_size(), max(args.microbatches), GPTConfig.n_head
+    if args.n_embd % heads:
+        parser.error(f"argument --n-embd: {args.n_embd} does not split into the model's {heads} heads of equal width")
+    if args.n_layer < 2 * world_size:
+        parser.error(f"argument --n-layer: {args.n_layer} blocks cannot be cut into the {2 * world_size} stages of "
+                     f"the interleaved schedules (2 per process on {world_size} processes)")
+    uneven = [m for m in args.microbatches if args.batch_size % m]
+    if uneven:
+        parser.error(f"argument --microbatches: {uneven[0]} does not divide --batch-size {args.batch_size} "
+                     "(a stage infers its shapes from the first micro-batch, so all must be equal)")
+    if top % max(1, top // world_size):  # torch's rule for the interleaved schedules, run at the largest m
+        parser.error(f"argument --microbatches: the interleaved schedules run {top} micro-batches in "
+                     f"max(1, {top} // {world_size}) = {top // world_size} equal rounds, which does not divide {top}")
+    try:
+        data = load_lm_data(batch_size=args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    return args, data
 
 
 def pick_device(local_rank):
@@ -70,14 +90,13 @@ def run_step(stages, schedule, x, y, rank, world_size):
 
 
 def main():
-    args = parse_args()
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    data = load_lm_data()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer, n_embd=args.n_embd)
     x, y = (t.to(device) for t in data.batch("train", 0, args.batch_size))
     torch.manual_seed(0)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from course.args import JobParser, positive_int
+
 
 class Copy(torch.autograd.Function):
     """f: every rank already has the whole input. Backward: each rank's gradient is only its part of the sum."""
@@ -95,11 +97,15 @@ class MLP(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32, help="batch x sequence positions")
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=positive_int, default=64)
+    parser.add_argument("--tokens", type=positive_int, default=32, help="batch x sequence positions")
     parser.add_argument("--run-dir", default="runs/tp_by_hand", help="metrics.json: the differences")
     args = parser.parse_args()
+    world_size = parser.world_size()  # checked before the process group starts: one error line if it does not fit
+    if 4 * args.width % world_size:
+        parser.error(f"argument --width: the MLP's 4 x {args.width} hidden columns do not split over {world_size} "
+                     "processes")
     dist.init_process_group("gloo")  # CPU tensors: the lesson is the collectives, not the device
     rank, world = dist.get_rank(), dist.get_world_size()
 

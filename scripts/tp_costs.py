@@ -19,9 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as tp
 
+from course.args import JobParser, positive_int
 from course.comm_count import CollectiveCounter, predict_block, predict_tp_step
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 from train_tp import pick_device, tensor_parallel
 
 
@@ -63,18 +64,29 @@ class SavedTensors:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-embd", type=positive_int, default=64)
     parser.add_argument("--run-dir", default="runs/tp_costs")
     args = parser.parse_args()
+    world, heads = parser.world_size(), GPTConfig.n_head  # checked before the process group: one error line
+    if args.n_embd % heads:
+        parser.error(f"argument --n-embd: {args.n_embd} does not split into the model's {heads} heads of equal width")
+    if heads % world:
+        parser.error(f"torchrun --nproc-per-node: the model's {heads} heads do not split over {world} processes")
+    try:
+        data = load_lm_data(batch_size=args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    if args.sequence_parallel and data.block_size % world:
+        parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split over "
+                     f"{world} processes")
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
-    data = load_lm_data()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer,
                     n_embd=args.n_embd)
     x, y = (t.to(device) for t in data.batch("train", 0, args.batch_size))

@@ -22,33 +22,61 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as tp
 from torch.utils.tensorboard import SummaryWriter
 
+from course.args import JobParser, positive_float, positive_int, writable_file
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 
 NAME = Path(__file__).stem
 SHOWN = ("blocks.0.mlp.fc.weight", "blocks.0.ln1.weight", "tok_emb.weight")  # 2D step 2: placements recorded
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags and the data they name, checked here: bad input ends the run with one line, before any work."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="a folder of *.txt files instead of the generated arithmetic")
-    parser.add_argument("--block-size", type=int, default=64, help="text only: characters per sample")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=64, help="text only: characters per sample")
+    parser.add_argument("--steps", type=positive_int, default=1500)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-head", type=positive_int, default=4)
+    parser.add_argument("--n-embd", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=["2d", "hsdp"], default="2d",  # 2D step 1
                         help="2d: FSDP2 over 'dp' x TP over 'tp'; hsdp: replicate x shard, the whole model per group")
-    parser.add_argument("--dp", type=int, default=2, help="size of the first mesh dimension ('dp' / 'replicate')")
+    parser.add_argument("--dp", type=positive_int, default=2,
+                        help="size of the first mesh dimension ('dp' / 'replicate')")
     parser.add_argument("--sequence-parallel", action="store_true",  # TP step 3
                         help="also split the LayerNorms (and the activations between blocks) by position")
-    parser.add_argument("--log-every", type=int, default=100, help="steps between printed losses")
+    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
     parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--save", default=f"weights/{NAME}.pt", help="the final weights ('' : not saved)")
-    return parser.parse_args()
+    parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
+                        help="the final weights ('' : not saved)")
+    args = parser.parse_args()
+    if args.n_embd % args.n_head:
+        parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
+                     "(each head gets an equal share of the width)")
+    world_size = parser.world_size()  # TP step 1: torchrun's processes, each holding a slice of every layer
+    if world_size % args.dp:  # 2D step 1: the processes as a grid of --dp rows
+        parser.error(f"argument --dp: {args.dp} rows do not divide the {world_size} processes into a grid")
+    tp_size = world_size // args.dp if args.layout == "2d" else 1  # 2D step 1: hsdp runs no TP
+    if args.sequence_parallel and args.layout != "2d":  # 2D step 1
+        parser.error("argument --sequence-parallel: only with --layout 2d (hsdp runs no tensor parallelism)")
+    slices = args.dp if args.layout == "2d" else world_size  # 2D step 4: data-parallel slices of the batch
+    if args.batch_size % slices:  # 2D step 4
+        parser.error(f"argument --batch-size: {args.batch_size} does not split into {slices} equal slices, one "
+                     "per data-parallel group")
+    if args.n_head % tp_size:  # 2D step 1: whole heads on every rank of a "tp" group
+        parser.error(f"argument --n-head: {args.n_head} heads do not split over {tp_size} processes "
+                     "(tensor parallelism gives each the same number of whole heads)")
+    try:
+        data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    if args.sequence_parallel and data.block_size % tp_size:  # 2D step 1: positions split evenly over "tp"
+        parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split "
+                     f"over {tp_size} processes")
+    return args, data
 
 
 def pick_device(local_rank):  # TP step 1: one accelerator per process, if its backend carries it
@@ -76,7 +104,8 @@ def tensor_parallel(model, mesh, sequence_parallel):  # TP step 3: the plan, app
                      "mlp": tp.PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate())}
         tp.parallelize_module(block, mesh, plan)
     plan = {"head": tp.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    if sequence_parallel:  # each rank keeps its own positions of the embeddings' output (no communication)
+    if sequence_parallel:  # each rank keeps its positions of the embeddings' output (no communication
+        # forward; the gradient is all-gathered in backward)
         plan |= {"blocks.0": tp.PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=seq,
                                                    use_local_output=True),
                  "ln_f": tp.SequenceParallel()}
@@ -129,7 +158,7 @@ def full_state_dict(model):  # TP step 5: every rank joins the gathers; rank 0 s
 
 
 def main():
-    args = parse_args()
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])  # TP step 1: set by torchrun for each process
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -141,7 +170,6 @@ def main():
     dp_group = mesh.get_group("dp") if args.layout == "2d" else None  # 2D step 4: the ranks reading other slices
     dp_rank, dp_size = (mesh.get_local_rank("dp"), args.dp) if args.layout == "2d" else (rank, world_size)
     torch.manual_seed(args.seed)  # the same initial weights on every run
-    data = load_lm_data(args.data_dir, args.block_size)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)

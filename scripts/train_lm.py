@@ -16,27 +16,38 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from course.args import JobParser, positive_float, positive_int, writable_file
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 
 NAME = Path(__file__).stem
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags and the data they name, checked here: bad input ends the run with one line, before any work."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="a folder of *.txt files instead of the generated arithmetic")
-    parser.add_argument("--block-size", type=int, default=64, help="text only: characters per sample")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=64, help="text only: characters per sample")
+    parser.add_argument("--steps", type=positive_int, default=1500)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-head", type=positive_int, default=4)
+    parser.add_argument("--n-embd", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=100, help="steps between printed losses")
+    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
     parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--save", default=f"weights/{NAME}.pt", help="the final weights ('' : not saved)")
-    return parser.parse_args()
+    parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
+                        help="the final weights ('' : not saved)")
+    args = parser.parse_args()
+    if args.n_embd % args.n_head:
+        parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
+                     "(each head gets an equal share of the width)")
+    try:
+        data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    return args, data
 
 
 def pick_device():
@@ -67,10 +78,9 @@ def save_json(obj, path):
 
 
 def main():
-    args = parse_args()
+    args, data = parse_args()
     device = pick_device()
     torch.manual_seed(args.seed)  # the same initial weights on every run
-    data = load_lm_data(args.data_dir, args.block_size)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)

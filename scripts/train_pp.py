@@ -20,9 +20,10 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 from torch.utils.tensorboard import SummaryWriter
 
+from course.args import JobParser, positive_float, positive_int, writable_file
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 
 NAME = Path(__file__).stem
 SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,  # PP step 3: one stage per
@@ -31,22 +32,48 @@ SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags and the data they name, checked here: bad input ends the run with one line, before any work."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="a folder of *.txt files instead of the generated arithmetic")
-    parser.add_argument("--block-size", type=int, default=64, help="text only: characters per sample")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=64, help="text only: characters per sample")
+    parser.add_argument("--steps", type=positive_int, default=1500)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-head", type=positive_int, default=4)
+    parser.add_argument("--n-embd", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schedule", choices=SCHEDULES, default="gpipe")  # PP step 3
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")  # PP step 3
-    parser.add_argument("--log-every", type=int, default=100, help="steps between printed losses")
+    parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per step")  # PP step 3
+    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
     parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--save", default=f"weights/{NAME}.pt", help="the final weights ('' : not saved)")
-    return parser.parse_args()
+    parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
+                        help="the final weights ('' : not saved)")
+    args = parser.parse_args()
+    if args.n_embd % args.n_head:
+        parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
+                     "(each head gets an equal share of the width)")
+    world_size = parser.world_size()  # PP step 2: torchrun's processes, one stage each (two if interleaved)
+    stages = world_size * (1 if args.schedule in ("gpipe", "1f1b") else 2)  # PP step 2
+    if args.n_layer < stages:  # PP step 2: a block at least in every stage
+        parser.error(f"argument --n-layer: {args.n_layer} blocks cannot be cut into {stages} stages "
+                     f"(--schedule {args.schedule} on {world_size} processes)")
+    if args.batch_size % args.microbatches:  # PP step 3: equal micro-batches (a stage infers shapes once)
+        parser.error(f"argument --microbatches: {args.microbatches} does not divide --batch-size {args.batch_size} "
+                     "(a stage infers its shapes from the first micro-batch, so all must be equal)")
+    if args.schedule == "1f1b" and args.microbatches < stages:  # PP step 3: torch's rule for 1F1B
+        parser.error(f"argument --microbatches: 1F1B needs at least one micro-batch per stage ({stages}), "
+                     f"not {args.microbatches}")
+    rounds = max(1, args.microbatches // world_size)  # PP step 3: the interleaved schedules run rounds of them
+    if stages > world_size and args.microbatches % rounds:  # PP step 3: torch's rule for them
+        parser.error(f"argument --microbatches: --schedule {args.schedule} runs the micro-batches in "
+                     f"max(1, {args.microbatches} // {world_size}) = {rounds} equal rounds; {rounds} does not divide "
+                     f"{args.microbatches}")
+    try:
+        data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    return args, data
 
 
 def pick_device(local_rank):  # PP step 1: one accelerator per process, if its backend carries it
@@ -100,9 +127,7 @@ def gather_state(stages, last):  # PP step 5: the last rank collects every stage
 
 
 def main():
-    args = parse_args()
-    if args.batch_size % args.microbatches:  # PP step 3: equal micro-batches (a stage infers shapes once)
-        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])  # PP step 1: set by torchrun for each process
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -111,7 +136,6 @@ def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     last = world_size - 1  # PP step 5: the rank that holds the head, and so the loss
     torch.manual_seed(args.seed)  # the same initial weights on every run
-    data = load_lm_data(args.data_dir, args.block_size)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg)  # PP step 2: the whole model on every rank (same seed), each keeps its stages

@@ -20,29 +20,47 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as tp
 from torch.utils.tensorboard import SummaryWriter
 
+from course.args import JobParser, positive_float, positive_int, writable_file
 from course.gpt import GPT, GPTConfig, loss_fn
-from course.lm_data import load_lm_data
+from course.lm_data import DataError, load_lm_data
 
 NAME = Path(__file__).stem
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The flags and the data they name, checked here: bad input ends the run with one line, before any work."""
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", help="a folder of *.txt files instead of the generated arithmetic")
-    parser.add_argument("--block-size", type=int, default=64, help="text only: characters per sample")
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--n-layer", type=int, default=2)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=64, help="text only: characters per sample")
+    parser.add_argument("--steps", type=positive_int, default=1500)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per step")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--n-layer", type=positive_int, default=2)
+    parser.add_argument("--n-head", type=positive_int, default=4)
+    parser.add_argument("--n-embd", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sequence-parallel", action="store_true",  # TP step 3
                         help="also split the LayerNorms (and the activations between blocks) by position")
-    parser.add_argument("--log-every", type=int, default=100, help="steps between printed losses")
+    parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
     parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
-    parser.add_argument("--save", default=f"weights/{NAME}.pt", help="the final weights ('' : not saved)")
-    return parser.parse_args()
+    parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
+                        help="the final weights ('' : not saved)")
+    args = parser.parse_args()
+    if args.n_embd % args.n_head:
+        parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
+                     "(each head gets an equal share of the width)")
+    world_size = parser.world_size()  # TP step 1: torchrun's processes, each holding a slice of every layer
+    if args.n_head % world_size:  # TP step 1: whole heads on every rank
+        parser.error(f"argument --n-head: {args.n_head} heads do not split over {world_size} processes "
+                     "(tensor parallelism gives each the same number of whole heads)")
+    try:
+        data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
+    except DataError as error:
+        parser.error(f"argument {error.flag}: {error}")
+    if args.sequence_parallel and data.block_size % world_size:  # TP step 3: positions split evenly
+        parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split "
+                     f"over {world_size} processes")
+    return args, data
 
 
 def pick_device(local_rank):  # TP step 1: one accelerator per process, if its backend carries it
@@ -70,7 +88,8 @@ def tensor_parallel(model, mesh, sequence_parallel):  # TP step 3: the plan, app
                      "mlp": tp.PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate())}
         tp.parallelize_module(block, mesh, plan)
     plan = {"head": tp.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
-    if sequence_parallel:  # each rank keeps its own positions of the embeddings' output (no communication)
+    if sequence_parallel:  # each rank keeps its positions of the embeddings' output (no communication
+        # forward; the gradient is all-gathered in backward)
         plan |= {"blocks.0": tp.PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=seq,
                                                    use_local_output=True),
                  "ln_f": tp.SequenceParallel()}
@@ -104,7 +123,7 @@ def full_state_dict(model):  # TP step 5: every rank joins the gathers; rank 0 s
 
 
 def main():
-    args = parse_args()
+    args, data = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])  # TP step 1: set by torchrun for each process
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -113,7 +132,6 @@ def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))  # TP step 2
     torch.manual_seed(args.seed)  # the same initial weights on every run
-    data = load_lm_data(args.data_dir, args.block_size)
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(cfg).to(device)

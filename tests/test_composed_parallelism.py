@@ -11,7 +11,7 @@ from conftest import executed_notebook
 from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
 
 from course import SCRIPTS
-from course.choose import layouts, pick
+from course.choose import layouts, pick, table
 from course.comm_count import _KINDS
 from course.exercises import EXERCISES
 from course.moe import moe_layer, moe_tokens
@@ -27,7 +27,7 @@ def test_train_2d_is_train_tp_plus_marked_steps():
 def test_chooser_uses_notebook_08s_formulas_and_prefers_less_network_traffic():
     psi = 7e9
     rows = {r.name: r for r in layouts(psi, gpu_gb=80, gpus_per_node=8, nodes=4)}
-    assert list(rows) == ["DDP", "HSDP", "FSDP2", "FSDP2 x TP"]
+    assert list(rows) == ["DDP", "HSDP", "FSDP2", "FSDP2 x TP", "FSDP2 x PP"]
     assert rows["DDP"].gb_per_gpu * 1e9 == model_states(predict(psi, 32)["DDP"]) == 16 * psi
     assert rows["HSDP"].gb_per_gpu == pytest.approx(16 * psi / 8 / 1e9)
     assert rows["FSDP2"].gb_per_gpu == pytest.approx(16 * psi / 32 / 1e9)
@@ -41,6 +41,31 @@ def test_chooser_uses_notebook_08s_formulas_and_prefers_less_network_traffic():
     big = layouts(70e9, 80, 8, 16)
     assert pick(big).name == "FSDP2 x TP"  # HSDP does not fit; TP keeps FSDP's traffic 8x smaller across nodes
     assert pick(layouts(2e12, 80, 8, 2)) is None
+
+
+def test_chooser_counts_tensor_parallel_activations_and_the_pipeline_by_hand():
+    """Issue 32 #3: TP's own traffic (notebook 10's formulas) and a PP row (notebook 11), against numbers
+    worked out here by hand for 7e9 parameters, 4 nodes x 8 GPUs, 8192 tokens per GPU, width 4096, 32 blocks."""
+    rows = {r.name: r for r in layouts(7e9, 80, 8, 4, tokens=8192, width=4096, layers=32)}
+    tp, pp = rows["FSDP2 x TP"], rows["FSDP2 x PP"]
+    a = 8 * 8192 * 4096 * 4  # one activation of a TP group: 8 GPUs x 8192 tokens, width 4096, fp32
+    # per block 2 all-reduces forward + 4 backward (q, k, v separate), each sending 2 x 7/8 of it, 32 blocks
+    assert tp.intra_bytes == pytest.approx(32 * 6 * 2 * 7 / 8 * a) == pytest.approx(360.78e9, rel=1e-4)
+    assert tp.inter_bytes == pytest.approx(3 * 3 / 4 * 4 * 7e9 / 8)  # FSDP2 over the 4 nodes on 1/8 of it
+    assert tp.gb_per_gpu == pytest.approx(16 * 7e9 / 32 / 1e9) and tp.bubble == 0
+    # PP: 4 stages (one per node), FSDP2 over the node's 8 GPUs on 1/4 of the parameters; a replica of 4 GPUs
+    # computes 4 x 8192 tokens; a middle stage sends their activations forward and their gradients back
+    assert pp.mesh == "4 x 8 (pp, dp)" and pp.gb_per_gpu == tp.gb_per_gpu
+    assert pp.inter_bytes == 2 * (4 * 8192) * 4096 * 4 == 1_073_741_824
+    assert pp.intra_bytes == pytest.approx(3 * 7 / 8 * 4 * 7e9 / 4)
+    assert pp.bubble == pytest.approx(3 / 19)  # (p - 1)/(m + p - 1), m = 4 per stage
+    # the bubble is shown, not picked: HSDP fits without one
+    assert pick(list(rows.values())).name == "HSDP"
+    assert "bubble 16%" in pp.note and "idle 16%" in table(list(rows.values()))
+    one_node = {r.name: r for r in layouts(1e9, 80, 8, 1, tokens=8192, width=2048, layers=20)}
+    assert one_node["FSDP2 x TP"].intra_bytes == pytest.approx(20 * 6 * 2 * 7 / 8 * 8 * 8192 * 2048 * 4)
+    assert one_node["FSDP2 x PP"].mesh == "8 x 1 (pp, dp)" and one_node["FSDP2 x PP"].inter_bytes == 0
+    assert "cross nodes" not in one_node["FSDP2"].note and "cross nodes" in rows["FSDP2"].note
 
 
 def test_counter_takes_c10d_ops_whole_tensor_from_the_right_argument():

@@ -24,9 +24,18 @@ def test_environment_yml_pins_match_requirements():
 
 
 def test_every_requirement_is_pinned():
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            assert "==" in line, f"unpinned: {line}"
+    for name in ("requirements.txt", "requirements-test.txt"):
+        for line in (ROOT / name).read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                assert "==" in line, f"{name}: unpinned: {line}"
+
+
+def test_test_tools_stay_out_of_the_course_install():
+    """requirements-test.txt is `make test`'s alone: in neither requirements.txt nor environment.yml."""
+    tools = pins((ROOT / "requirements-test.txt").read_text().splitlines())
+    assert {"pytest", "ruff", "playwright"} <= set(tools)
+    assert not set(tools) & set(pins((ROOT / "environment.yml").read_text().splitlines()))
+    assert not set(tools) & set(pins((ROOT / "requirements.txt").read_text().splitlines()))
 
 
 DEPRECATED_OR_WRONG = {

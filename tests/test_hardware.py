@@ -26,7 +26,9 @@ RANKS = {
 
 @pytest.fixture
 def fake(monkeypatch):
-    """Make this process see the given accelerator report: fake(("cuda", 2))."""
+    """Make this process see the given accelerator report: fake(("cuda", 2)), on a build of PyTorch that has
+    every backend (as the faked machine's own build would; this CUDA build has no xccl)."""
+    monkeypatch.setattr(hardware, "built", lambda backend: True)
     return lambda report: monkeypatch.setattr(hardware, "accelerator", lambda: report)
 
 
@@ -73,6 +75,28 @@ def test_explicit_backends(fake):
         plan(2, "smoke-signals")
 
 
+def test_a_backend_missing_from_this_build_puts_ranks_on_the_cpu(fake, monkeypatch):
+    """Windows: CUDA GPUs, but the wheel has no nccl (torch.distributed.is_backend_available("nccl") is False)."""
+    fake(("cuda", 2))
+    monkeypatch.setattr(hardware, "built", lambda backend: backend != "nccl")
+    chosen = choose(2)
+    assert (chosen.device_type, chosen.backend) == ("cpu", "gloo")
+    assert chosen.reason == "PyTorch's backend for cuda is nccl, which this build of PyTorch does not have: " \
+                            "ranks use gloo on the CPU"
+    assert choose(1, ranks=False).device_type == "cuda"  # a plain process needs no backend
+    with pytest.raises(ValueError, match="nccl is not in this build of PyTorch"):
+        plan(2, "nccl")
+    with pytest.raises(ValueError, match="not in this build of PyTorch"):
+        backend_for("cuda:0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert pick_device(1) == torch.device("cpu")
+
+
+def test_built_is_what_this_torch_says():
+    assert hardware.built("gloo") and hardware.built("nccl") == dist.is_nccl_available()
+    assert not hardware.built("no-such-backend")
+
+
 def test_pick_device_and_backend_for(fake, monkeypatch):
     fake(("cuda", 2))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -114,6 +138,8 @@ REPORTS = [(None, 0), ("cuda", 0), ("cuda", 1), ("cuda", 2), ("mps", 1), ("xpu",
 @pytest.fixture
 def fake_torch(monkeypatch):
     """Make torch.accelerator answer as a machine with this accelerator report would: fake_torch(("cuda", 2))."""
+    monkeypatch.setattr(hardware, "built", lambda backend: True)  # as in fake(): the faked machine's own build
+
     def fake(report):
         kind, count = report
         present = torch.device(kind) if kind and count else None  # check_available: None without a device

@@ -11,8 +11,8 @@ import torch
 from conftest import executed_notebook
 from exercise_helpers import mutate, run_check_fixture  # noqa: F401 - the run_check fixture
 
-from course import SCRIPTS
-from course.bubble import predicted_bubble, replay, summarise
+from course import ROOT, SCRIPTS
+from course.bubble import predicted_bubble, predicted_in_flight, replay, summarise
 from course.exercises import EXERCISES
 from course.gpt import GPT, GPTConfig
 from course.gpt_stages import GPTStage, layer_ranges
@@ -50,6 +50,23 @@ def test_replay_of_a_gpipe_order_gives_the_formula():
     assert idle == {0: pytest.approx(predicted_bubble(2, 3)), 1: pytest.approx(predicted_bubble(2, 3))}
     with pytest.raises(ValueError, match="cannot be replayed"):
         replay({0: [("B", 0, 1, 0, 0)], 1: []}, (0, 2), num_stages=2)
+
+
+def test_the_bubble_figure_is_drawn_from_the_schedules_and_shows_the_memory_difference():
+    """Learner review §4 #8: the committed figure is what course.pp_report draws from the schedules' own order,
+    and it shows GPipe's rank 0 holding all m micro-batches where 1F1B's holds p."""
+    from course.pp_report import bubble_svg, in_flight, schedule_order
+
+    for p, m in [(2, 2), (2, 8), (4, 8), (8, 16)]:
+        for rank in range(p):
+            for schedule in ("gpipe", "1f1b"):
+                order = schedule_order(schedule, p, m, rank)
+                assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                assert in_flight(order) == predicted_in_flight(schedule, p, m, rank)
+    svg = (ROOT / "notebooks" / "figures" / "11_bubble.svg").read_text()
+    assert svg == bubble_svg(), "run python -m course.pp_report to redraw notebooks/figures/11_bubble.svg"
+    assert "GPipe's rank 0 holds the activations of all 8 micro-batches" in svg and "holds at most 4" in svg
+    assert svg.count("holds 8 micro-batches") == 4 and "holds 4 micro-batches" in svg
 
 
 @pytest.fixture(scope="module")

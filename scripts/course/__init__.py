@@ -19,6 +19,7 @@ Used by the training scripts (import only what a training process needs):
 - ``course.comm_count``  collectives and bytes a piece of code runs, counted and predicted (notebooks 10, 12)
 - ``course.moe``         the mixture-of-experts layer of notebook 12 and exercise 9
 - ``course.rundir``      one live run per run directory (an atomic claim), results replaced all at once
+- ``course.dcp_check``   is a DCP checkpoint folder whole: one line saying which and what is wrong (notebook 12)
 Used by notebooks and tests:
 - ``course.datagen``     generate the offline datasets (``make data``); ``course.flower_art`` draws one flower
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
@@ -27,7 +28,8 @@ Used by notebooks and tests:
 - ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
 - ``course.machine_report`` (00), ``course.ring_view`` (02), ``course.pitfall_jobs`` and ``course.spawn_capture``
   (04, 04b), ``course.scaling_model`` (05), ``course.flight_recorder`` (06), ``course.capstone_figures`` (07),
-  ``course.shard_figures`` (08), ``course.bubble`` (11): one notebook's plumbing or drawings each
+  ``course.shard_figures`` (08), ``course.bubble`` and ``course.pp_report`` (11): one notebook's plumbing or
+  drawings each
 - ``course.choose``      which parallelism fits: memory and communication per layout (notebook 12's table)
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
 - ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)

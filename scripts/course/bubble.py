@@ -100,7 +100,9 @@ def replay(events_by_rank: dict[int, list], window: tuple[float, float], num_sta
 
 def summarise(metrics: dict) -> list[dict]:
     """One row per configuration of pp_schedules.py's metrics.json: bubble predicted, of the schedule alone
-    (replayed), measured (median and range over rounds), waits, step time, activations held."""
+    (replayed), measured (median and range over rounds), waits, step time, activations held; and where a rank's
+    step went (medians over rounds of the mean over ranks, ms): computing chunks, inside send/recv waits, and
+    the rest (the schedule's own Python between chunks)."""
     rows = []
     for key, run in metrics["runs"].items():
         ranks = {int(r): v for r, v in run["ranks"].items()}
@@ -108,13 +110,15 @@ def summarise(metrics: dict) -> list[dict]:
         p, m, n = len(ranks), first["m"], first["stages"]
         windows = {r: v["windows"] for r, v in ranks.items()}
         events = {r: v["events"] for r, v in ranks.items()}
-        measured, waits, steps, replayed = [], [], [], []
+        measured, waits, steps, replayed, parts = [], [], [], [], []
         for i in range(len(first["windows"])):
             w = step_window(windows, i)
             measured.append(sum(idle_fraction(events, w).values()) / p)
             waits.append(sum(wait_fraction(events, w).values()) / p)
             steps.append((w[1] - w[0]) * 1e3)
             replayed.append(sum(replay(events, w, n)[0].values()) / p)
+            compute, wait = 1 - measured[-1], waits[-1]
+            parts.append((compute * steps[-1], wait * steps[-1], (1 - compute - wait) * steps[-1]))
         v = n // p
         rows.append({"config": key, "schedule": first["schedule"], "m": m, "stages": n,
                      "predicted": None if first["schedule"] == "zerobubble" else  # it fills the bubble
@@ -122,6 +126,8 @@ def summarise(metrics: dict) -> list[dict]:
                      "replayed": statistics.median(replayed), "measured": statistics.median(measured),
                      "measured_low": min(measured), "measured_high": max(measured),
                      "wait": statistics.median(waits), "step_ms": steps,
+                     **{f"{part}_ms": statistics.median(x[k] for x in parts)
+                        for k, part in enumerate(("compute", "wait", "other"))},
                      "activation_bytes": {r: max(v["peak_activation_bytes"]) for r, v in ranks.items()},
                      "in_flight": {r: max(v["peak_in_flight"]) for r, v in ranks.items()},
                      "grad_diff": max(v["grad_diff"] for v in ranks.values())})

@@ -17,7 +17,7 @@ formulas of the notebook use. Each record also keeps the process group it ran on
 ``summary(group=...)`` gives one mesh dimension's share (notebook 12: ``mesh.get_group("shard").group_name``);
 an all-gather's output is its input times that group's size. ``bytes_sent`` turns them into what one rank sends in a ring (``course.sharding.SENT``).
 ``predict_block`` and ``predict_tp_step`` give the formulas' prediction for the small GPT, to set beside
-the count (``same_counts``).
+the count (``same_counts``; ``compare`` prints them side by side).
 """
 
 from collections import defaultdict
@@ -174,6 +174,19 @@ def predict_tp_step(n_layer: int, tokens: int, width: int, sequence_parallel: bo
     norms = 2 * (2 * n + 1)  # weight and bias of ln1, ln2 in every block, and ln_f
     return {"forward": fwd, "backward": bwd,
             "optimizer": {"all-reduce": [adam_uses * norms, adam_uses * norms * width * bytes_per]}}
+
+
+def compare(predicted: dict, counted: dict, prefix: str = "") -> bool:
+    """Print one line per phase and kind: the predicted and the counted calls and bytes, and '=' or 'DIFFERENT';
+    True when every line is equal. ``prefix`` starts each line (e.g. the mesh dimension)."""
+    same = True
+    for phase in counted | predicted:
+        for kind in counted.get(phase, {}) | predicted.get(phase, {}):
+            p, n = predicted.get(phase, {}).get(kind, [0, 0]), counted.get(phase, {}).get(kind, [0, 0])
+            print(f"  {prefix}{phase:<9} {kind:<14} predicted {p[0]:>2} calls {p[1]:>9,} B   counted {n[0]:>2} calls "
+                  f"{n[1]:>9,} B   {'=' if p == n else 'DIFFERENT'}")
+            same = same and list(p) == list(n)
+    return same
 
 
 def same_counts(predicted: dict, counted: dict) -> bool:

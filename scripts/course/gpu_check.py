@@ -5,14 +5,18 @@
 
 What it runs (sized for about 8 minutes on one GPU): the single-GPU checks that the CPU test suite cannot
 reach (nccl process group, DDP on cuda, CUDA AMP with fp16 + GradScaler and bf16, pinned-memory loading,
-map_location onto the GPU, memory statistics), then every notebook headless in quick mode. The report
-(runs/gpu_check/report.md and report.json) says what ran on a GPU, what fell back to the CPU and why,
-and every failure with its traceback. On a machine without CUDA it says so and exits 0.
+map_location onto the GPU, memory statistics), then every notebook headless in quick mode. It also reports
+how the GPUs are connected: peer-to-peer (P2P) access between each pair (``torch.cuda.can_device_access_peer``)
+and ``nvidia-smi topo -m`` where nvidia-smi exists. The report (runs/gpu_check/report.md and report.json) says
+what ran on a GPU, what fell back to the CPU and why, and every failure with its traceback. On a machine
+without CUDA it says so, says in one line each why the connection checks are skipped, and exits 0.
 """
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -21,6 +25,7 @@ from pathlib import Path
 from course import RUNS
 
 REPORT_DIR = RUNS / "gpu_check"
+STATUS = {"ok": "ok  ", "skipped": "skip", "failed": "FAIL"}  # as the console shows each check
 
 
 def _check(name: str, fn, results: list) -> None:
@@ -34,6 +39,76 @@ def _check(name: str, fn, results: list) -> None:
     row = results[-1]
     print(f"[gpu-check] {'ok  ' if row['ok'] else 'FAIL'} {name}: {row['detail'].strip().splitlines()[-1:] or ''}",
           flush=True)
+
+
+def peer_to_peer(count: int, can_access) -> dict:
+    """P2P access between each ordered pair of ``count`` CUDA GPUs: ``{"matrix": [[None, True], ...], "summary"}``,
+    or ``{"skipped": why}`` with fewer than two GPUs, or ``{"failed": error}``. ``can_access(i, j)`` is
+    ``torch.cuda.can_device_access_peer``: whether GPU i can read GPU j's memory directly (over NVLink or PCIe)."""
+    if count < 2:
+        return {"skipped": f"{count} CUDA GPU: no pair of GPUs to check" if count else "no CUDA GPU on this machine"}
+    try:
+        matrix = [[None if i == j else bool(can_access(i, j)) for j in range(count)] for i in range(count)]
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks still run
+        return {"failed": f"can_device_access_peer: {type(exc).__name__}: {exc}"}
+    without = [f"GPU{i}-GPU{j}" for i in range(count) for j in range(i + 1, count)
+               if not (matrix[i][j] and matrix[j][i])]
+    summary = (f"P2P between every pair of the {count} GPUs" if not without else
+               f"no P2P between {', '.join(without)}: NCCL moves their data through host memory (its shared-memory "
+               f"transport), which is slower than P2P")
+    return {"matrix": matrix, "summary": summary}
+
+
+def nvidia_smi_topology(which=shutil.which, run=subprocess.run, timeout: float = 30) -> dict:
+    """``nvidia-smi topo -m`` (how each pair of GPUs, and each GPU and NIC, is connected): ``{"output": text}``,
+    ``{"skipped": why}`` without nvidia-smi, or ``{"failed": error}``."""
+    exe = which("nvidia-smi")
+    if not exe:
+        return {"skipped": "nvidia-smi not found on PATH: no topology matrix"}
+    try:
+        out = run([exe, "topo", "-m"], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"failed": f"nvidia-smi topo -m: {type(exc).__name__}: {exc}"}
+    if out.returncode:
+        return {"failed": f"nvidia-smi topo -m exited {out.returncode}: {(out.stderr or out.stdout).strip()[-300:]}"}
+    return {"output": out.stdout.rstrip()}
+
+
+def topology(count: int | None = None, can_access=None, which=shutil.which, run=subprocess.run) -> dict:
+    """Both connection checks, each announced in one line; ``count=None`` asks torch how many CUDA GPUs there are."""
+    if count is None:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        can_access = torch.cuda.can_device_access_peer
+    found = {"P2P between GPUs": peer_to_peer(count, can_access), "nvidia-smi topo -m": nvidia_smi_topology(which, run)}
+    for name, part in found.items():
+        status, detail = next(((k, v) for k, v in part.items() if k in ("skipped", "failed")), ("ok", None))
+        detail = detail or part.get("summary") or f"{len(part['output'].splitlines())} lines (in the report)"
+        print(f"[gpu-check] {STATUS[status]} {name}: {detail}", flush=True)
+    return found
+
+
+def topology_lines(found: dict) -> list[str]:
+    """The report's "Connections" section: the P2P matrix, nvidia-smi's matrix, and what to do about a hang."""
+    lines = ["", "## Connections between GPUs", ""]
+    for name, part in found.items():
+        if "skipped" in part or "failed" in part:
+            lines.append(f"- {name}: {'skipped' if 'skipped' in part else '**FAILED**'}: "
+                         f"{part.get('skipped') or part.get('failed')}")
+        elif "matrix" in part:
+            n = len(part["matrix"])
+            lines += [f"- {name}: {part['summary']}", "", "| can read → | " + " | ".join(f"GPU{j}" for j in range(n))
+                      + " |", "|---" * (n + 1) + "|"]
+            lines += [f"| GPU{i} | " + " | ".join("—" if v is None else "yes" if v else "**no**" for v in row) + " |"
+                      for i, row in enumerate(part["matrix"])]
+            lines.append("")
+        else:
+            lines += [f"- {name}:", "", "```", part["output"], "```", ""]
+    lines.append("A multi-GPU job that hangs at its first collective with P2P reported is the known symptom of "
+                 "P2P that is reported but broken (PCIe ACS, IOMMU, some consumer cards): try NCCL_P2P_DISABLE=1 "
+                 "(README, \"The hardware learners have\").")
+    return lines
 
 
 def amp_step(dtype_name: str) -> str:
@@ -112,16 +187,19 @@ def run_notebooks() -> list:
     return rows
 
 
-def write_report(hardware: dict, checks: list, notebooks: list) -> Path:
+def write_report(hardware: dict, checks: list, notebooks: list, connections: dict | None = None) -> Path:
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "report.json").write_text(json.dumps(
-        {"hardware": hardware, "checks": checks, "notebooks": notebooks}, indent=2, default=str))
+        {"hardware": hardware, "checks": checks, "connections": connections, "notebooks": notebooks}, indent=2,
+        default=str))
     lines = ["# GPU check", "", f"Hardware: `{json.dumps(hardware, default=str)}`", "", "## Checks", ""]
     lines += [f"- {'ok' if c['ok'] else '**FAILED**'} {c['check']} ({c['seconds']} s): "
               f"{c['detail'].strip().splitlines()[-1] if c['ok'] else ''}" for c in checks]
     for c in checks:
         if not c["ok"]:
             lines += ["", f"### {c['check']}", "```", c["detail"].rstrip(), "```"]
+    if connections:
+        lines += topology_lines(connections)
     if notebooks:
         lines += ["", "## Notebooks (quick mode)", ""]
         for n in notebooks:
@@ -148,6 +226,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU on this machine, so there is nothing to check here; "
               "the CPU paths are what `make test` covers. Run `make gpu-check` on a machine with a GPU.")
+        topology(0)
         return 0
     os.environ.setdefault("COURSE_QUICK", "1")
     from course.hardware import describe
@@ -166,9 +245,11 @@ def main(argv=None) -> int:
     _check("CUDA AMP bf16", lambda: amp_step("bfloat16"), checks)
     _check("map_location onto the GPU", map_location_onto_gpu, checks)
     _check("pinned-memory loading + memory statistics", pinned_loader, checks)
+    connections = topology()
     notebooks = [] if args.no_notebooks else run_notebooks()
-    report = write_report(hardware, checks, notebooks)
+    report = write_report(hardware, checks, notebooks, connections)
     failed = [c["check"] for c in checks if not c["ok"]] + [n["notebook"] for n in notebooks if not n["ok"]]
+    failed += [name for name, part in connections.items() if "failed" in part]
     print(f"[gpu-check] report: {report}" + (f"; FAILED: {', '.join(failed)}" if failed else "; all ok"), flush=True)
     return 1 if failed else 0
 

@@ -9,9 +9,10 @@ The rule (``choose``), used by the launcher, the scripts and the notebooks alike
 
 - The backend for a device is PyTorch's own choice (``Backend.default_device_backend_map``:
   cuda -> nccl, xpu -> xccl, cpu -> gloo), used only where that backend can carry tensors of
-  that device (``Backend.backend_capability``). PyTorch maps mps to gloo, but gloo carries only
-  CPU and CUDA tensors (its collectives reject any other device type), so ranks on a Mac use the
-  CPU with gloo, while a single plain process may use MPS.
+  that device (``Backend.backend_capability``) and this build of PyTorch has it
+  (``is_backend_available``: Windows builds have no nccl). PyTorch maps mps to gloo, but gloo
+  carries only CPU and CUDA tensors (its collectives reject any other device type), so ranks on a
+  Mac use the CPU with gloo, while a single plain process may use MPS.
 - Ranks get an accelerator each (``<type>:LOCAL_RANK``) when there is one for every local process;
   otherwise every rank runs on the CPU with gloo. Two ranks sharing one GPU is a pitfall, not a plan.
 
@@ -87,6 +88,13 @@ def carries(backend: str, device_type: str) -> bool:
     return device_type in Backend.backend_capability.get(backend, ())
 
 
+def built(backend: str) -> bool:
+    """Whether this build of PyTorch has ``backend`` (nccl: Linux CUDA wheels have it, Windows wheels do not)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_backend_available(backend)
+
+
 def choose(nproc: int = 1, backend: str = "auto", *, ranks: bool = True, report=None) -> Choice:
     """The one rule: the device type and backend for ``nproc`` processes on this machine.
 
@@ -110,6 +118,9 @@ def choose(nproc: int = 1, backend: str = "auto", *, ranks: bool = True, report=
                 f" (this machine has {count} {acc})" if acc else "")
             raise ValueError(f"{backend} needs one {accelerator_name(wanted)} per process: {nproc} processes "
                              f"requested, {found}. Use backend='{CPU_BACKEND}' (CPU) or fewer processes.")
+        if not built(backend):
+            raise ValueError(f"{backend} is not in this build of PyTorch (Windows builds have no nccl). "
+                             f"Use backend='{CPU_BACKEND}' (CPU).")
     if backend == CPU_BACKEND:
         return Choice("cpu", CPU_BACKEND, f"{CPU_BACKEND} requested: {CPU_BACKEND} on the CPU")
     cpu = f"{CPU_BACKEND} on the CPU"
@@ -121,6 +132,9 @@ def choose(nproc: int = 1, backend: str = "auto", *, ranks: bool = True, report=
         why = (f"PyTorch's backend for {acc} is {native}, which cannot carry {acc} tensors" if native
                else f"PyTorch knows no process-group backend for {acc}")
         return Choice("cpu", CPU_BACKEND, f"{why}: ranks use {cpu}")
+    if not built(native):
+        return Choice("cpu", CPU_BACKEND, f"PyTorch's backend for {acc} is {native}, which this build of PyTorch "
+                                          f"does not have: ranks use {cpu}")
     if nproc > count:
         return Choice("cpu", CPU_BACKEND, f"{nproc} processes > {count} {name}(s): {cpu}")
     return Choice(acc, native, f"{count} {name}(s) found: one process per {name}, {native}")
@@ -159,6 +173,9 @@ def backend_for(device) -> str:
     if not carries(backend, device_type):
         raise ValueError(f"{backend} (PyTorch's default backend for {device_type}) cannot carry {device_type} "
                          f"tensors between processes: put the ranks on the CPU (pick_device(local_rank) does)")
+    if not built(backend):
+        raise ValueError(f"{backend} (PyTorch's default backend for {device_type}) is not in this build of PyTorch "
+                         f"(Windows builds have no nccl): put the ranks on the CPU (pick_device(local_rank) does)")
     return backend
 
 
@@ -188,7 +205,7 @@ def describe(nproc: int = 2) -> dict:
         "accelerator_count": count,
         "device_names": names,
         "gloo": dist.is_gloo_available(),
-        "nccl_built": dist.is_nccl_available(),  # compiled in (every CUDA wheel), even without a GPU
+        "nccl_built": dist.is_nccl_available(),  # compiled in (Linux CUDA wheels; Windows has none), even without a GPU
         "nccl_usable": dist.is_nccl_available() and acc == "cuda" and count >= 1,
         f"{nproc} ranks use": f"{ranks.backend} on {ranks.device_type} ({ranks.reason})",
     }

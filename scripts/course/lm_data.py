@@ -5,6 +5,7 @@
     data = load_lm_data("path/to/texts")     # every *.txt under the folder, character-level
     x, y = data.batch("train", step, 64, seed=0)   # (64, T) inputs and next-token targets
     data.accuracy(logits, y)                 # exact answers: every counted target right
+    load_lm_data(..., batch_size=64)         # DataError (naming the flag) if a batch cannot be drawn
 
 Arithmetic: each sample is ``a+b=ccc`` (a, b in 0..99, the sum written with 3 digits), all 10,000 pairs
 shuffled once with a fixed seed, the last 1,000 held out. The model reads the question and predicts the
@@ -29,6 +30,15 @@ IGNORE = -100  # a target left out of the loss (F.cross_entropy's default ignore
 DIGITS = 2
 ARITH_CHARS = "0123456789+="  # 12 tokens: divisible by 2 and 4 ranks, as a vocabulary-split head needs
 MULTIPLE = 8  # a text vocabulary is padded with unused tokens to a multiple of this
+
+
+class DataError(ValueError):
+    """Data that cannot be used as asked; ``flag`` names the command-line flag to change (a script reports
+    ``argument <flag>: <message>`` in one line)."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag
 
 
 @dataclass
@@ -95,12 +105,15 @@ def text_folder(folder: str | Path, block_size: int = 64, max_samples: int = 20_
     """Character-level windows from every *.txt file under ``folder`` (sorted, joined by newlines); the
     vocabulary is padded with unused ids to a multiple of 8, so that 2, 4 or 8 ranks can split the head."""
     folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise DataError("--data-dir", f"{folder} is {'a file' if folder.exists() else 'missing'}, not a folder")
     files = sorted(folder.rglob("*.txt"))
     if not files:
-        raise FileNotFoundError(f"no *.txt files under {folder}")
+        raise DataError("--data-dir", f"no *.txt files under {folder}")
     text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     if len(text) < 2 * (block_size + 1):
-        raise ValueError(f"{folder}: {len(text)} characters, too few for windows of {block_size + 1}")
+        raise DataError("--block-size", f"{block_size}: the {len(text)} characters under {folder} are too few "
+                        f"for windows of {block_size} + 1 (they need at least twice that)")
     vocab = sorted(set(text))
     vocab += [""] * (-len(vocab) % MULTIPLE)  # unused ids, so that 2, 4 or 8 ranks can split the head
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
@@ -111,6 +124,11 @@ def text_folder(folder: str | Path, block_size: int = 64, max_samples: int = 20_
     return LMData(str(folder), vocab, rows[:cut], rows[cut:], counted)
 
 
-def load_lm_data(data_dir: str | Path | None = None, block_size: int = 64) -> LMData:
-    """The generated arithmetic, or the text under ``data_dir`` (``block_size`` applies to text only)."""
-    return arithmetic() if data_dir is None else text_folder(data_dir, block_size)
+def load_lm_data(data_dir: str | Path | None = None, block_size: int = 64, batch_size: int | None = None) -> LMData:
+    """The generated arithmetic, or the text under ``data_dir`` (``block_size`` applies to text only).
+    With ``batch_size``: DataError unless a batch of that many training samples can be drawn."""
+    data = arithmetic() if data_dir is None else text_folder(data_dir, block_size)
+    if batch_size is not None and not 1 <= batch_size <= len(data.train):
+        raise DataError("--batch-size", f"{batch_size}: a batch is drawn from the {len(data.train):,} training "
+                        f"samples of {data.name}, so it takes 1 to {len(data.train):,} of them")
+    return data
