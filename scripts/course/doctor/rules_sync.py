@@ -124,10 +124,10 @@ def gradients(records: dict, facts) -> None:
     facts.checked.append(f"gradients before {len(keys)} optimizer steps")
     for key in keys:
         g0 = per[ranks[0]][key]
-        bad = [n for i, n in enumerate(g0["names"])
-               if not all(_same(per[r][key]["fp"][i], g0["fp"][i]) for r in ranks)]
+        differ = [i for i in range(len(g0["names"])) if not all(_same(per[r][key]["fp"][i], g0["fp"][i]) for r in ranks)]
+        bad = [g0["names"][i] for i in differ]
         if bad:
-            factors = _factors(per, ranks, key, bad)
+            factors = _factors(per, ranks, key, differ)
             if factors:
                 facts.add(Finding(
                     "grads-scaled", "Every rank applies the averaged gradient times a factor of its own, so the "
@@ -149,12 +149,12 @@ def gradients(records: dict, facts) -> None:
 
 
 def _factors(per: dict, ranks: list, key, bad: list) -> dict:
-    """{rank: factor} when each rank's differing gradients are rank 0's times one factor of its own (else {})."""
-    names = per[ranks[0]][key]["names"]
-    base = [fp for n, fp in zip(names, per[ranks[0]][key]["fp"]) if n in bad]
+    """{rank: factor} when each rank's differing gradients (positions ``bad``) are rank 0's times one factor of
+    its own (else {})."""
+    base = [per[ranks[0]][key]["fp"][i] for i in bad]
     found = {}
     for r in ranks[1:]:
-        mine = [fp for n, fp in zip(names, per[r][key]["fp"]) if n in bad]
+        mine = [per[r][key]["fp"][i] for i in bad]
         ratios = [fp[0] / b[0] for fp, b in zip(mine, base) if fp is not None and b is not None and abs(b[0]) > 1e-12]
         if not ratios or any(abs(x - ratios[0]) > 1e-4 * abs(ratios[0]) for x in ratios):
             return {}
