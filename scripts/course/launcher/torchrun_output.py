@@ -187,7 +187,7 @@ def describe_failure(output: str, returncode: int | None = None) -> str:
     first = min(entries, key=lambda e: e["order"])
     if timed_out and entry["rank"] == timed_out[0]:  # stuck first, whatever the order the ranks exited in
         how = "torchrun then ended it by SIGTERM" if entry["signal"] == STOPPED_BY_TORCHRUN else _how(entry)
-        who = f"rank {entry['rank']} timed out first ({how})"
+        who = f"{_who(entry).removesuffix(' ' + _how(entry))} timed out first ({how})"
     elif entry["signal"] == STOPPED_BY_TORCHRUN and first["exitcode"] > 0:  # it said why, then torchrun stopped it
         who = f"rank {entry['rank']} (stopped by torchrun after {_who(first)})"
     exit_race = entry["signal"] == "SIGABRT" and aborted_at_exit(by_rank.get(entry["rank"], []))
