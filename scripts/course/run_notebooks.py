@@ -105,8 +105,10 @@ def main(argv=None) -> int:
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     if args.record_times:
         from course import times
+        from course.quiz import key_mode
 
-        command = f"{'COURSE_QUICK=1 ' if QUICK else ''}python -m course.run_notebooks {' '.join(args.prefixes)}"
+        command = (f"{'COURSE_QUICK=1 ' if QUICK else ''}{'COURSE_ANSWER_KEY=1 ' if key_mode() else ''}"
+                   f"python -m course.run_notebooks {' '.join(args.prefixes)}")
         run = times.record([(name, ok, seconds) for name, ok, seconds, _ in rows], QUICK, command.strip())
         print(f"times recorded as run {run!r} in {times.TIMES.relative_to(ROOT)}; rewrote: "
               + (", ".join(times.apply()) or "nothing"))
