@@ -34,6 +34,7 @@ Used by notebooks and tests:
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
 - ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
+- ``course.times``       the course's times, one source (``notebooks/times.json``) for the README and every header
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
 - ``course.bench_launcher`` / ``course.bench_noise``  benchmarks (``make bench``): the launcher's overhead, and no
   faster/slower verdict for equal work on a busy machine
