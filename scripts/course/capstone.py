@@ -1,9 +1,9 @@
-"""Helpers of notebook 07 (the capstone) that are not its lesson: loading weights a learner names (predict.py),
-reading image summaries back from event files, and the results table. (The image check and denormalize live
-in course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
+"""Helpers of notebook 07 (the capstone) that are not its lesson: reading image summaries back from event files,
+and the results table. (load_weights, which predict.py uses too, lives in course.train_utils; the image check and
+denormalize in course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
 
-    load_weights("weights/train_flowers/best.pt", model)   # CourseError naming the file if it does not fit
     images = read_images("runs/07_capstone_flowers/np2")   # {tag: [(step, HxWx3 uint8 array), ...]}
+    print(format_table(results_table({"np1": m1, "np2": m2}, target=0.75), 0.75))
 """
 
 from __future__ import annotations
@@ -11,42 +11,12 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import torch
 from PIL import Image
-from torch import nn
 
 from course import in_repo
-from course.checkpoint import read_checkpoint
 from course.data import check_images, denormalize  # noqa: F401 (their home is course.data; kept importable here)
-from course.errors import CourseError
 from course.models import RESNETS, resnet  # noqa: F401 (their home is course.models)
-
-
-def load_weights(path, model: nn.Module, device="cpu", skip: tuple[str, ...] = (), state=None) -> dict:
-    """Load the weights in ``path`` (or its already read contents ``state``) into ``model``; return the contents.
-
-    The file may be a plain state_dict (e.g. torchvision's ImageNet weights saved with torch.save) or a
-    checkpoint dict with a "model" entry. Tensors whose names start with a prefix in ``skip`` (e.g. "fc."
-    for a head that is replaced) are neither loaded nor required. Anything else that does not fit (a corrupt
-    file, pickled code that weights_only=True refuses, another architecture) raises CourseError naming the
-    file and the first tensor that differs: one line, not a traceback.
-    """
-    if state is None:
-        state = read_checkpoint(path, device)
-    weights = state.get("model", state) if isinstance(state, dict) else None
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CourseError(f"{path} holds no state_dict (a dict of tensors, or a checkpoint with a 'model' entry)")
-    weights = {k.removeprefix("module."): v for k, v in weights.items() if not k.startswith(skip)}
-    mine = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
-    differ = sorted(set(mine) ^ set(weights)) + [k for k in mine if k in weights and mine[k].shape != weights[k].shape]
-    if differ:
-        k = differ[0]
-        shape = lambda d: tuple(d[k].shape) if k in d else "absent"
-        name = getattr(model, "course_name", type(model).__name__)
-        raise CourseError(f"{path} does not fit a {name} ({len(differ)} tensors differ; first {k}: "
-                          f"{shape(weights)} in the file, {shape(mine)} in the model): another architecture?")
-    model.load_state_dict(weights, strict=not skip)
-    return state if isinstance(state, dict) and "model" in state else {"model": state}
+from course.train_utils import load_weights  # noqa: F401 (its home is course.train_utils, which train_flowers.py uses)
 
 
 def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:
