@@ -1,7 +1,10 @@
-"""Helpers of notebook 07 (the capstone) that are not its lesson: reading image summaries back from event files,
-and the results table. (load_weights, which predict.py uses too, lives in course.train_utils; the image check and
-denormalize in course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
+"""Helpers of notebook 07 (the capstone) that are not its lesson: launching train_flowers.py with rank 0's summary
+lines shown, a folder of images for predict.py, reading image summaries back from event files, and the results
+table. (load_weights, which predict.py uses too, lives in course.train_utils; the image check and denormalize in
+course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
 
+    metrics = launch_flowers(run_dir, checkpoint_dir, 2, ["--epochs", 2], threads=1)  # prints rank 0's epoch lines
+    folder, truth = predict_demo(image_folder, "runs/07_capstone_flowers/predict_demo")  # 8 validation images
     images = read_images("runs/07_capstone_flowers/np2")   # {tag: [(step, HxWx3 uint8 array), ...]}
     print(format_table(results_table({"np1": m1, "np2": m2}, target=0.75), 0.75))
 """
@@ -9,14 +12,52 @@ denormalize in course.data, the ResNets in course.models; train_flowers.py draws
 from __future__ import annotations
 
 import io
+import shutil
 
 import numpy as np
 from PIL import Image
 
 from course import in_repo
-from course.data import check_images, denormalize  # noqa: F401 (their home is course.data; kept importable here)
+from course.data import check_images, denormalize, split_indices  # noqa: F401 (the first two: importable here too)
 from course.models import RESNETS, resnet  # noqa: F401 (their home is course.models)
 from course.train_utils import load_weights  # noqa: F401 (its home is course.train_utils, which train_flowers.py uses)
+
+SUMMARY = ("train_flowers:", "epoch", "note:", "resumed", "backbone", "done:")  # rank 0's lines worth showing
+
+
+def launch_flowers(run_dir, checkpoint_dir, nproc: int, args, *, backend: str = "auto", threads: int | None = None,
+                   timeout: float = 900) -> dict:
+    """train_flowers.py on ``nproc`` processes through course.launcher (a timeout, no process left behind, the failing
+    rank's error), printing rank 0's summary lines only (no progress bars); its metrics.json. ``threads``: the
+    OMP_NUM_THREADS of each process (None: the launcher's)."""
+    from course.launcher import launch
+
+    def on_line(line):
+        text = line.removeprefix("[rank0]:").strip()
+        if line.startswith("[rank0]:") and text.startswith(SUMMARY) and "%|" not in text:  # "%|": a progress bar
+            print(text)
+
+    result = launch("train_flowers.py", nproc, [*map(str, args), "--checkpoint-dir", str(checkpoint_dir)],
+                    backend=backend, run_dir=run_dir, timeout=timeout, quiet=True, on_line=on_line,
+                    env={"OMP_NUM_THREADS": str(threads)} if threads else None)
+    print(f"[{nproc} process(es), {result.wall_time:.0f} s; {in_repo(run_dir).name}/metrics.json]")
+    return result.metrics
+
+
+def predict_demo(folder, out, n: int = 8) -> tuple:
+    """(out, {file name: true class}): ``n`` validation images of the ImageFolder ``folder``, spread over the
+    classes, copied into the fresh folder ``out`` under names that carry their class."""
+    out = in_repo(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    _, val_indices = split_indices(len(folder))
+    truth = {}
+    for i in val_indices[:: len(val_indices) // n][:n]:
+        path, label = folder.samples[i]
+        name = f"{i:04d}_{folder.classes[label]}.jpg"
+        shutil.copy(path, out / name)
+        truth[name] = folder.classes[label]
+    return out, truth
 
 
 def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:
