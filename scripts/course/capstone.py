@@ -1,6 +1,6 @@
 """Helpers of notebook 07 (the capstone) that are not its lesson: launching train_flowers.py with rank 0's summary
 lines shown, a folder of images for predict.py, reading image summaries back from event files, and the results
-table. (load_weights, which predict.py uses too, lives in course.train_utils; the image check and denormalize in
+table. (load_weights lives in course.train_utils, beside train_flowers.py; the image check and denormalize in
 course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
 
     metrics = launch_flowers(run_dir, checkpoint_dir, 2, ["--epochs", 2], threads=1)  # prints rank 0's epoch lines
@@ -20,7 +20,6 @@ from PIL import Image
 from course import in_repo
 from course.data import check_images, denormalize, split_indices  # noqa: F401 (the first two: importable here too)
 from course.models import RESNETS, resnet  # noqa: F401 (their home is course.models)
-from course.train_utils import load_weights  # noqa: F401 (its home is course.train_utils, which train_flowers.py uses)
 
 SUMMARY = ("train_flowers:", "epoch", "note:", "resumed", "backbone", "done:")  # rank 0's lines worth showing
 
