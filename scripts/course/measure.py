@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from course import flag
+from course.train_utils import StepTimer  # noqa: F401 (its home: course.train_utils, which the scripts copy)
 
 # The rule for a verdict (a comparison of two configurations, round by round):
 # - faster/slower (better/worse) needs at least MIN_ROUNDS paired rounds whose ratios are all on the same side
@@ -47,56 +48,6 @@ MIN_ROUNDS = 5
 SAME_BAND = 0.05
 RULE = (f"verdicts: faster/slower only when all of >= {MIN_ROUNDS} rounds agree, each beyond {SAME_BAND:.0%} and "
         "beyond what either configuration varies by on its own")
-
-
-class StepTimer:
-    """Samples per second over the steps after ``warmup_steps``; evaluation between epochs is excluded.
-
-    ``sync``: a function that waits for the device (e.g. ``torch.accelerator.synchronize``), so that a
-    GPU's queued work is counted in the step that issued it; None on a CPU.
-    """
-
-    def __init__(self, warmup_steps: int = 3, sync: Callable[[], None] | None = None):
-        if warmup_steps < 0:
-            raise ValueError("warmup_steps must be >= 0")
-        self.warmup_steps = warmup_steps
-        self.sync = sync
-        self.steps = 0
-        self.durations: list[float] = []
-        self.samples = 0
-        self._last: float | None = None
-
-    def start(self) -> None:
-        """Start (or restart, after evaluation) the clock: call just before the first step of an epoch."""
-        if self.sync:
-            self.sync()
-        self._last = time.perf_counter()
-
-    def tick(self, samples: int) -> None:
-        """One step is done; it had ``samples`` samples (on this process)."""
-        if self.sync:
-            self.sync()
-        now = time.perf_counter()
-        if self._last is None:
-            raise RuntimeError("StepTimer.start() was not called before the first tick()")
-        if self.steps >= self.warmup_steps:
-            self.durations.append(now - self._last)
-            self.samples += samples
-        self.steps += 1
-        self._last = now
-
-    @property
-    def samples_per_s(self) -> float | None:
-        """Steady-state samples/s of this process; None when no step after the warm-up was timed."""
-        total = sum(self.durations)
-        return self.samples / total if total > 0 else None
-
-    def summary(self, world_size: int = 1) -> dict:
-        """What a run writes into metrics.json. samples_per_s is summed over ``world_size`` processes."""
-        rate = self.samples_per_s
-        return {"samples_per_s": rate * world_size if rate is not None else None,
-                "timed_steps": len(self.durations), "warmup_steps": min(self.warmup_steps, self.steps),
-                "step_time_median_s": statistics.median(self.durations) if self.durations else None}
 
 
 @dataclass
