@@ -1,12 +1,15 @@
 """Exercise 4: overlap the gradient all-reduce with backward(): buckets, hooks and asynchronous all_reduce.
 
 The check runs ex4_overlap.py on 2 processes and reads the recorder's timeline of each rank (every
-collective, when each backward() started and ended, every optimizer step, and when each asynchronous
-handle was waited on). It requires, in this order: every asynchronous handle waited on before the next
-optimizer step (waiting on the last handle only is a race that can pass by luck, so it is read from the
-recorder, not from the numbers); one all_reduce per bucket in every step; both ranks' parameters equal
-to the single-process reference after each of 8 steps; and the overlap the exercise is about: every
-bucket's all_reduce started asynchronously while backward() was still running.
+collective, when each backward() started and ended, when each gradient-ready hook ran, every optimizer
+step, and when each asynchronous handle was waited on and whether its tensor was written before that).
+It requires, in this order: every asynchronous handle waited on before the next optimizer step (waiting on
+the last handle only is a race that can pass by luck, so it is read from the recorder, not from the
+numbers) and no write into a bucket's tensor before its wait() (a race whose numbers change from run to
+run); one all_reduce per bucket in every step; both ranks' parameters equal to the single-process
+reference after each of 8 steps; and the overlap the exercise is about: every bucket's all_reduce started
+asynchronously while backward() was still running, and still running while backward() went on (a
+gradient became ready, another bucket started, or backward() returned before its wait()).
 """
 
 from pathlib import Path
@@ -131,6 +134,20 @@ HINTS = {
     "summed": ["The step is world-size times too large: the buckets were summed over the ranks, not averaged.",
                "all_reduce sums; where do you divide?",
                "Divide each bucket's flat tensor by the world size after wait(), before copying it back."],
+    "halved": ["The step is half the reference's: the buckets were averaged twice.",
+               "Count the divisions by the world size, and look at the reduction your all_reduce uses.",
+               "ReduceOp.AVG already divides: with it, do not divide flat again (or sum and divide once)."],
+    "race": [("A bucket's tensor was written while its all_reduce was still running: the result depends on which "
+              "came first, so it changes from run to run."),
+             ("An asynchronous all_reduce owns its tensor until wait() returns: gloo reads and writes it in the "
+              "background. Which line changes flat (a division, a copy into it) before its handle's wait()?"),
+             "In finish(): handle.wait() first, then flat /= world_size, then copy the slices back."],
+    "waited-at-once": [("Each all_reduce starts asynchronously but is waited on at once: backward() stops until it "
+                        "is done, so nothing overlaps, exactly as with a blocking all_reduce."),
+                       ("Where is each handle's wait()? The handle must stay pending while backward() computes the "
+                        "next gradients."),
+                       ("In on_grad_ready only start the all_reduce and keep (handle, flat, i) in self.pending; "
+                        "wait on every handle in finish(), after backward() returned.")],
     "ranks-differ": [("The ranks applied different gradients: some averages did not arrive, or arrived after "
                       "they were used."),
                      ("An asynchronous all_reduce returns at once; its result is in the tensor only after the "

@@ -21,16 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course.exercises.reference import NPROC, close, exact_factor, maxdiff
+from course.exercises.reference import NPROC, close, exact_factor, maxdiff, seeded
 from course.exercises.results import Exercise, Stop, Verdict, fail
 from course.exercises.running import failure, launch
 
 CONFIG = {"width": 24, "tokens": 6, "seed": 7}  # not the script's defaults (16, 8, 0)
 CONFIGS = (CONFIG, {"width": 8, "tokens": 3, "seed": 11})  # the tests check both
 GRADS = ("fc_weight_grad", "fc_bias_grad", "proj_weight_grad", "proj_bias_grad")
-SHAPE_ERROR = re.compile(r"cannot be multiplied|must match the size|size mismatch|shape .* is invalid", re.I)
+SHAPE_ERROR = re.compile(r"cannot be multiplied|must match the size|size mismatch|shape .* is invalid", re.IGNORECASE)
 
 
+@seeded
 def reference(width: int, tokens: int, seed: int, x_scale: float = 1.0) -> dict:
     """The unsplit MLP's output, input gradient, weights and whole weight gradients (x_scale: the input
     counted that many times, as an all-reduce in Copy's forward would)."""

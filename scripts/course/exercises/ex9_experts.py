@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from course.exercises.reference import NPROC, close, maxdiff
+from course.exercises.reference import NPROC, close, maxdiff, seeded
 from course.exercises.results import Exercise, Stop, Verdict, fail
 from course.exercises.running import failure, launch
 
@@ -30,6 +30,7 @@ SPLIT_ERRORS = ("Split sizes doesn't match", "doesn't match expected size", "doe
 COUNT_ERRORS = ("does not divide equally", "dim 0 must be", "divisible")
 
 
+@seeded
 def reference(tokens: int, seed: int) -> list[dict]:
     """Per rank: the one-process layer's outputs for its tokens, their gradients, the gates, the experts'
     outputs before the gate, the gradients of expert ``rank`` (every rank's tokens summed), and how many

@@ -81,16 +81,16 @@ def _tensors(args, kwargs) -> list:
 
 class _Handle:
     """An asynchronous collective's handle (torch's Work), noting when it is first waited on and whether the
-    script wrote into the collective's tensors before that (a collective does not move a version counter)."""
+    script wrote into the collective's tensors before that: their version counters moved more than the
+    collective moves them itself (once for ReduceOp.AVG, which divides in place; never for the others)."""
 
-    def __init__(self, work, entry, tensors):
-        self._work, self._entry = work, entry
-        self._versions = [(t, t._version) for t in tensors]
+    def __init__(self, work, entry, versions, own_writes):
+        self._work, self._entry, self._versions, self._own = work, entry, versions, own_writes
 
     def _waited(self):
         if self._entry["waited"] is None:
             self._entry["waited"] = now()
-            self._entry["touched"] = any(t._version != v for t, v in self._versions)
+            self._entry["touched"] = any(t._version - v > self._own for t, v in self._versions)
 
     def wait(self, *args, **kwargs):
         result = self._work.wait(*args, **kwargs)
@@ -119,14 +119,17 @@ def _instrument():
 
         def wrapper(*args, **kwargs):
             try:
-                asynchronous = bool(signature.bind(*args, **kwargs).arguments.get("async_op")) if signature \
-                    else bool(kwargs.get("async_op"))
+                given = signature.bind(*args, **kwargs).arguments if signature else kwargs
             except TypeError:
-                asynchronous = bool(kwargs.get("async_op"))
+                given = kwargs
+            asynchronous = bool(given.get("async_op"))
             entry = {"op": name, "t": now(), "async": asynchronous, "waited": None, "touched": None}
             record["collectives"].append(entry)
+            versions = [(t, t._version) for t in _tensors(args, kwargs)] if asynchronous else []
             work = fn(*args, **kwargs)
-            return _Handle(work, entry, _tensors(args, kwargs)) if asynchronous and work is not None else work
+            if not asynchronous or work is None:
+                return work
+            return _Handle(work, entry, versions, int(given.get("op") == dist.ReduceOp.AVG))
         wrapper.__wrapped__ = fn
         return wrapper
 

@@ -93,8 +93,8 @@ EX6 = [
          (("Subset(val_set, range(rank, len(val_set), world_size))", "val_set"),), "own-hint"),
     Case("6a", "the ranks' mean errors averaged", "val-differs",
          (("    dist.all_reduce(sums)\n    return (sums[0] / sums[1]).item(), int(sums[1].item())",
-           "    mse = sums[0] / sums[1]\n    dist.all_reduce(mse, op=dist.ReduceOp.AVG)\n    dist.all_reduce(sums)\n"
-           "    return mse.item(), int(sums[1].item())"),), "averaged"),
+           ("    mse = sums[0] / sums[1]\n    dist.all_reduce(mse, op=dist.ReduceOp.AVG)\n    dist.all_reduce(sums)\n"
+           "    return mse.item(), int(sums[1].item())")),), "averaged"),
     Case("6a", "the barrier on rank 0 only", "hang",
          (("        dist.barrier()  # the others wait", "        if rank == 0:\n            dist.barrier()  # the others wait"),)),
     Case("6a", "rank 0 validates the whole set alone", "pass",
@@ -124,8 +124,8 @@ EX6 = [
          ((FIX_C, BUG_C), ("lr=args.lr)", "lr=args.lr / args.accum)"))),
     Case("6c", "gradients divided before the step", "pass",
          ((FIX_C, BUG_C), ("        optimizer.step()\n",
-                           "        for p in model.parameters():\n            p.grad /= args.accum\n"
-                           "        optimizer.step()\n"))),
+                           ("        for p in model.parameters():\n            p.grad /= args.accum\n"
+                           "        optimizer.step()\n")))),
 ]
 
 CASES = [*EX1, *EX2, *EX6]

@@ -52,8 +52,8 @@ EX3 = [
            "return iter(indices[self.rank * self.num_samples:(self.rank + 1) * self.num_samples])"),)),
     Case("3", "a name that does not exist", "crash", (("indices = list(range(self.n))", "indices = list(range(self.size))"),)),
     Case("3", "the global generator reseeded", "global-rng",
-         ((SHUFFLE, "            torch.manual_seed(self.seed + self.epoch)\n"
-                    "            indices = torch.randperm(self.n).tolist()\n"),)),
+         ((SHUFFLE, ("            torch.manual_seed(self.seed + self.epoch)\n"
+                    "            indices = torch.randperm(self.n).tolist()\n")),)),
     Case("3", "written differently", "pass", text=ANOTHER_SAMPLER),
     Case("3", "padded by repeating the whole list", "pass",
          (("        while len(indices) < total:\n            indices += indices[:total - len(indices)]\n",
@@ -72,19 +72,19 @@ EX4 = [
     # waiting on the last handle only: right or wrong by luck on the numbers, always caught by the recorder
     Case("4", "only the last handle waited on", "not-waited",
          (("        for handle, flat, i in self.pending:\n" + WAIT,
-           "        self.pending[-1][0].wait()  # the last one done: so are the others?\n"
-           "        for handle, flat, i in self.pending:\n"),), "race"),
+           ("        self.pending[-1][0].wait()  # the last one done: so are the others?\n"
+           "        for handle, flat, i in self.pending:\n")),), "race"),
     Case("4", "counts not reset", "not-reset", (("        self.pending, self.ready = [], [0] * len(self.buckets)\n", ""),)),
     Case("4", "all_reduce after backward()", "no-overlap",
          ((START, "            self.pending.append((None, None, i))\n"),
           ("        for handle, flat, i in self.pending:\n" + WAIT,
-           "        for _, _, i in self.pending:\n            flat = torch.cat([q.grad.flatten() for q in self.buckets[i]])\n"
-           "            dist.all_reduce(flat)\n"))),
+           ("        for _, _, i in self.pending:\n            flat = torch.cat([q.grad.flatten() for q in self.buckets[i]])\n"
+           "            dist.all_reduce(flat)\n")))),
     Case("4", "a blocking all_reduce in the hook", "not-async",
          ((START, "            dist.all_reduce(flat)\n            self.pending.append((None, flat, i))\n"), (WAIT, ""))),
     Case("4", "each handle waited on at once", "waited-at-once",
-         ((START, "            handle = dist.all_reduce(flat, async_op=True)\n            handle.wait()  # done: go on\n"
-                  "            self.pending.append((handle, flat, i))\n"),), "false-pass"),
+         ((START, ("            handle = dist.all_reduce(flat, async_op=True)\n            handle.wait()  # done: go on\n"
+                  "            self.pending.append((handle, flat, i))\n")),), "false-pass"),
     Case("4", "divided before wait()", "race", ((DIVIDE, ""), (START, START + "            flat /= self.world_size\n")),
          "race"),
     Case("4", "summed", "summed", ((DIVIDE, ""),), "averaged"),
@@ -120,8 +120,8 @@ EX5 = [
     Case("5", "Adam's default learning rate", "lr", ((ADAM, "torch.optim.Adam(mine)"),), "own-hint"),
     Case("5", "parameters averaged instead of gradients", "params-averaged",
          (("        average_gradients(model, world_size)\n", ""),
-          ("            dist.broadcast(p.data, src=owner[p])", "            dist.all_reduce(p.data)\n"
-                                                             "            p.data /= world_size")), "own-hint"),
+          ("            dist.broadcast(p.data, src=owner[p])", ("            dist.all_reduce(p.data)\n"
+                                                             "            p.data /= world_size"))), "own-hint"),
     Case("5", "only the owned gradients cleared", "stale-grads",
          (("model.zero_grad()  # every gradient", "optimizer.zero_grad()  # every gradient"),), "own-hint"),
     Case("5", "a typo", "crash", (("mine = [p for p in model.parameters() if owner[p] == rank]",
@@ -130,8 +130,8 @@ EX5 = [
          (("        dist.all_reduce(p.grad)\n        p.grad /= world_size\n",
            "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n"),)),
     Case("5", "broadcasts asynchronous, waited on together", "pass",
-         ((BROADCAST, "        handles = [dist.broadcast(p.data, src=owner[p], async_op=True) for p in model.parameters()]\n"
-                      "        for handle in handles:\n            handle.wait()\n"),)),
+         ((BROADCAST, ("        handles = [dist.broadcast(p.data, src=owner[p], async_op=True) for p in model.parameters()]\n"
+                      "        for handle in handles:\n            handle.wait()\n")),)),
 ]
 
 CASES = [*EX3, *EX4, *EX5]

@@ -38,8 +38,8 @@ EX7 = [
          "false-fail"),
     Case("7", "the sum by all_gather", "pass",
          (("        out = partial.clone()\n        " + FWD + " over the rows -> the whole output on every rank\n        return out\n",
-           "        parts = [torch.empty_like(partial) for _ in range(dist.get_world_size())]\n"
-           "        dist.all_gather(parts, partial.contiguous())\n        return torch.stack(parts).sum(0)\n"),)),
+           ("        parts = [torch.empty_like(partial) for _ in range(dist.get_world_size())]\n"
+           "        dist.all_gather(parts, partial.contiguous())\n        return torch.stack(parts).sum(0)\n")),)),
 ]
 
 # ------------------------------------------------------------------ exercise 8: GPipe by hand
@@ -83,8 +83,8 @@ EX9 = [
     Case("9", "every rank runs expert 0", "wrong-expert", (("moe.experts[rank](received)", "moe.experts[0](received)"),),
          "own-hint"),
     Case("9", "a collective without autograd", "no-grad-back",
-         (("    " + DISPATCH, "    received = x.new_empty(sum(recv_splits), x.shape[1])\n"
-                               "    dist.all_to_all_single(received, x[order].detach(), recv_splits, send_splits)"),)),
+         (("    " + DISPATCH, ("    received = x.new_empty(sum(recv_splits), x.shape[1])\n"
+                               "    dist.all_to_all_single(received, x[order].detach(), recv_splits, send_splits)")),)),
     Case("9", "counts by comparison", "pass",
          (("torch.bincount(expert, minlength=world_size)",
            "torch.stack([(expert == j).sum() for j in range(world_size)])"),)),
