@@ -122,7 +122,7 @@ EX5 = [
          (("        average_gradients(model, world_size)\n", ""),
           ("            dist.broadcast(p.data, src=owner[p])", ("            dist.all_reduce(p.data)\n"
                                                              "            p.data /= world_size"))), "own-hint"),
-    Case("5", "only the owned gradients cleared", "stale-grads",
+    Case("5", "only the owned gradients cleared", "later-step",
          (("model.zero_grad()  # every gradient", "optimizer.zero_grad()  # every gradient"),), "own-hint"),
     Case("5", "a typo", "crash", (("mine = [p for p in model.parameters() if owner[p] == rank]",
                                    "mine = [p for p in model.parameters() if owner[p] == rnak]"),)),
