@@ -37,7 +37,7 @@ from pathlib import Path
 
 from course import SCRIPTS
 from course.exercises import table
-from course.exercises.hints import level
+from course.exercises.hints import filled, level
 from course.exercises.reference import NPROC
 from course.exercises.results import (
     NOTEBOOK,
@@ -111,8 +111,9 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
         else:
             seen = entry["seen"][verdict.diagnosis] = entry["seen"].get(verdict.diagnosis, 0) + 1
             rung = level(seen, entry["extra_hints"].get(verdict.diagnosis, 0), len(hints))
-        hint_text = hints[rung - 1]
+        hint_text = filled(hints[rung - 1], verdict.facts.get("detail"))
     entry.update(status=verdict.status, diagnosis=verdict.diagnosis, symptom=verdict.symptom,
+                 detail=verdict.facts.get("detail") or "",
                  seconds=round(seconds, 1), when=datetime.now().isoformat(timespec="seconds"),
                  script=rel(path), hint_level=rung, solutions=bool(note))
     if verdict.status == "pass":
@@ -148,7 +149,7 @@ def hint(exercise: str | int, results_file=None) -> str:
         entry["hint_level"] = shown
         results.save()
     lines = [f"Exercise {key} · {ex.title}: {entry.get('symptom', '')}"]
-    lines += [f"Hint {i + 1}/{len(hints)}: {h}" for i, h in enumerate(hints[:shown])]
+    lines += [f"Hint {i + 1}/{len(hints)}: {filled(h, entry.get('detail'))}" for i, h in enumerate(hints[:shown])]
     if shown >= len(hints) and entry.get("status") != "not solved":
         lines.append(f"That was the last hint: solution('{key}') shows the reference solution.")
     text = "\n".join(lines)

@@ -22,6 +22,7 @@ from course.exercises.results import Exercise, Verdict, fail
 from course.exercises.running import failure, launch, load_traces, per_step
 
 CONFIG = {"steps": 8, "batch": 32, "lr": 0.05, "seed": 6, "cap": 4500}  # seed 6: not the script's default
+CONFIGS = (CONFIG, {"steps": 5, "batch": 16, "lr": 0.02, "seed": 8, "cap": 9000})  # the tests check both
 
 
 def build():

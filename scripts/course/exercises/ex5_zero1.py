@@ -20,6 +20,7 @@ from course.exercises.results import Exercise, Stop, Verdict, fail
 from course.exercises.running import failure, launch, load_trace, load_traces
 
 CONFIG = {"steps": 8, "batch": 32, "lr": 0.01, "seed": 4}  # seed 4: not the script's default
+CONFIGS = (CONFIG, {"steps": 5, "batch": 16, "lr": 0.003, "seed": 12})  # the tests check both
 
 
 def build():

@@ -3,6 +3,8 @@ it, to the cause; each check of the same mistake (or each ``hint()``) shows one 
 
 ``COMMON_HINTS`` holds the diagnoses any exercise can meet (a crash, a hang, a syntax error, gaps left,
 a step an exact factor off); an exercise's own hints come first. ``level()`` says which rung is shown.
+A hint may hold ``{detail}``: what the check measured that points at the cause (``Verdict.facts["detail"]``,
+kept in the results file), shown only when that rung is reached (``filled``).
 """
 
 COMMON_HINTS = {
@@ -57,3 +59,8 @@ def hints_for(diagnosis: str, own: dict) -> list[str]:
 def level(seen: int, extra: int, count: int) -> int:
     """The rung shown (1-based): one per check that saw the mistake plus one per hint() asked, at most all."""
     return max(1, min(seen + extra, count))
+
+
+def filled(hint: str, detail: str | None) -> str:
+    """A hint with the check's measured detail in place of ``{detail}``."""
+    return hint.replace("{detail}", (detail or "").strip())
