@@ -116,8 +116,8 @@ def _traceback(rank: int, path, line: int, code: str, error: str) -> str:
         "Traceback (most recent call last):", f'  File "{path}", line {line}, in main', f"    {code}", error))
 
 
-@pytest.mark.parametrize("partner", ["RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
-                                     "closed by peer [127.0.0.1]:41235", None])
+@pytest.mark.parametrize("partner", [("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                                     "closed by peer [127.0.0.1]:41235"), None])
 def test_a_rank_that_crashes_is_the_cause_not_a_hang(tmp_path, partner):
     """Issue 34: rank 1 raises its own error; rank 0 then reports the closed connection (or is stopped by
     torchrun, saying nothing): a crash of rank 1, at its line, not a hang."""
