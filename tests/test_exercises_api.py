@@ -146,3 +146,28 @@ def test_ranks_that_only_gave_up_on_each_other_are_a_hang(tmp_path):
         failure(Run(1, output, {}, tmp_path, 1.0), path, 90)
     verdict = stopped.value.verdict
     assert verdict.diagnosis == "hang" and "rank 0 waited at ex.py line 30" in verdict.facts["detail"]
+
+
+SHARED = {"compare_traces(": ("steps", "no-broadcast", "wrong-start", "ranks-differ", "summed", "halved", "factor",
+                              "differs", "loss-differs"),
+          "failure(": ("hang", "crash"), "load_trace": ("no-trace",), "load_metrics": ("no-output",)}
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_every_diagnosis_a_check_can_reach_has_a_hint_written_for_it(key):
+    """Issue 34: a diagnosis without hints of its own or common ones fell back to another exercise's text."""
+    import ast
+    import inspect
+    import re
+    import sys
+
+    module = sys.modules[EXERCISES[key].check.__module__]
+    others = {ex.check.__name__ for ex in EXERCISES.values() if ex.check.__module__ == module.__name__} \
+        - {EXERCISES[key].check.__name__}  # the debugging lab: three checks in one module
+    source = "\n".join(ast.get_source_segment(inspect.getsource(module), node)
+                       for node in ast.parse(inspect.getsource(module)).body
+                       if not (isinstance(node, ast.FunctionDef) and node.name in others))
+    reached = set(re.findall(r'fail\(\s*"([a-z0-9-]+)"', source)) | set(re.findall(r'diagnosis = "([a-z0-9-]+)"', source))
+    reached |= {d for call, names in SHARED.items() if call in source for d in names} | {"missing", "syntax", "gaps"}
+    written = set(EXERCISES[key].hints) | set(COMMON_HINTS)
+    assert reached <= written, f"exercise {key}: no hint written for {sorted(reached - written)}"

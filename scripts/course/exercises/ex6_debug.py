@@ -150,6 +150,7 @@ HINTS_A = {
                      "= 151 + 150): add up the sums and the counts, then divide."),
                     "Evaluate after the same training on every rank; all_reduce [sum of errors, count], then divide."],
     "no-output": ["Rank 0 must still write metrics.json (the check reads the validation results from it)."],
+    "val-missing": ["Rank 0 must still validate after every epoch and write each result into metrics.json."],
 }
 
 HINTS_B = {
