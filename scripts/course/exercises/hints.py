@@ -68,8 +68,8 @@ COMMON_HINTS["factor"] = [
      "batch: one sum over the ranks, divided once by the world size (and losses divided by the micro-batches).")]
 
 
-UNKNOWN = ["Read the line above: it says what the check measured. Compare that part of your script with the exercise's "
-           "description (tests/test_exercises_api.py holds every diagnosis to a hint of its own, so this is a gap)."]
+UNKNOWN = [("Read the line above: it says what the check measured. Compare that part of your script with the exercise's "
+           "description (tests/test_exercises_api.py holds every diagnosis to a hint of its own, so this is a gap).")]
 
 
 def hints_for(diagnosis: str, own: dict) -> list[str]:
