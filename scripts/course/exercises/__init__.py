@@ -26,7 +26,11 @@ To add an exercise (say key "7", script ``ex7_tensor.py``, in notebook ``10_tens
 3. put the stub in the notebook's ``%%writefile ../scripts/ex7_tensor.py`` cell (gaps as
    ``...  # TODO ...``, one per line marked TODO) and the reference solution in
    ``course/exercises/solutions/ex7_tensor.py``; the tests hold them equal outside the TODO lines and
-   run the solution through the check.
+   run the solution through the check;
+4. give the module ``CONFIGS = (CONFIG, another)`` (the tests run the check on both), and add its realistic
+   mistakes and correct alternatives to ``course/exercises/mutations/`` (the tests hold each to its
+   diagnosis; ``python -m course.bench_checker`` measures the checker's false PASS, false FAIL and
+   first-hint rates over them).
 """
 
 import importlib
