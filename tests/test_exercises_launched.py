@@ -105,8 +105,8 @@ def test_every_check_holds_on_a_second_configuration(tmp_path):
     latent = next(c for c in CASES if c.key == "9" and c.expect == "counts")
     cases = [Case(key, "solution", "pass") for key, ex in EXERCISES.items() if ex.launches] + [latent]
     modules = {sys.modules[EXERCISES[c.key].check.__module__] for c in cases}
-    patches = [mock.patch.object(m, name, getattr(m, name + "S")[1]) for m in modules
-               for name in ("CONFIG", "CONFIG_C") if hasattr(m, name + "S")]
+    patches = [mock.patch.object(m, name, getattr(m, both)[1]) for m in modules
+               for name, both in (("CONFIG", "CONFIGS"), ("CONFIG_C", "CONFIGS_C")) if hasattr(m, both)]
     assert len(patches) == len(modules) + 1, "every launched exercise has a second configuration"
     with contextlib.ExitStack() as stack:
         for p in patches:
