@@ -47,6 +47,7 @@ test: data $(VENV)/.installed-test
 bench: data
 	$(PY) -m course.bench_launcher
 	$(PY) -m course.bench_noise
+	$(PY) -m course.bench_checker
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

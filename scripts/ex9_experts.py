@@ -4,8 +4,9 @@
 mixture-of-experts layer; every token travels to the rank of its expert and back with all_to_all_single.
 
 Fill the lines marked TODO, then run `exercises.check("9")` in notebook 12. The check launches this script
-on 2 processes with a seed and a number of tokens that are not the defaults, and compares every rank's
-outputs, input gradients and its expert's gradients with the whole layer computed on one process.
+on 2 processes with a seed and numbers of tokens that are not the defaults (some so small that an expert
+gets no token from some rank), and compares every rank's outputs, input gradients and its expert's
+gradients with the whole layer computed on one process.
 
     torchrun --nproc-per-node=2 scripts/ex9_experts.py --out runs/12_composed_parallelism/ex9
 """
@@ -37,7 +38,8 @@ def expert_parallel(moe, x, rank, world_size):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=16, help="tokens on each rank")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16],
+                        help="tokens on each rank; several numbers: one pass of the layer for each")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/12_composed_parallelism/ex9", help="where each rank saves")
     parser.add_argument("--timeout", type=float, default=60, help="process-group timeout, seconds")
@@ -45,14 +47,17 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))  # CPU tensors, any machine
     rank, world_size = dist.get_rank(), dist.get_world_size()
     moe = moe_layer(world_size, args.seed)  # the same layer on every rank: router and one expert per rank
-    x = moe_tokens(rank, args.tokens, args.seed).requires_grad_()  # this rank's own tokens
-    y = expert_parallel(moe, x, rank, world_size)
-    y.sum().backward()
+    results = []
+    for tokens in args.tokens:  # with few tokens, some rank may send an expert none
+        x = moe_tokens(rank, tokens, args.seed).requires_grad_()  # this rank's own tokens
+        moe.zero_grad()
+        y = expert_parallel(moe, x, rank, world_size)
+        y.sum().backward()
+        results.append({"tokens": tokens, "y": y.detach(), "x_grad": x.grad,
+                        "expert_grads": {n: p.grad for n, p in moe.experts[rank].named_parameters()}})
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    torch.save({"y": y.detach(), "x_grad": x.grad,
-                "expert_grads": {n: p.grad for n, p in moe.experts[rank].named_parameters()}},
-               Path(args.out) / f"ex9_rank{rank}.pt")
+    torch.save(results, Path(args.out) / f"ex9_rank{rank}.pt")
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 

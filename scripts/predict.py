@@ -15,11 +15,12 @@ import torch
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from course.args import positive_int, repo_path
-from course.capstone import RESNETS, load_weights, resnet
 from course.checkpoint import read_checkpoint
 from course.data import flower_transforms, load_image
 from course.errors import CourseError, reported_once
 from course.hardware import pick_device
+from course.models import RESNETS, resnet
+from course.train_utils import load_weights
 
 
 def image_files(paths: list[Path]) -> list[Path]:

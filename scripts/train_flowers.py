@@ -5,6 +5,7 @@
     torchrun ... train_flowers.py --data-dir ~/flower_photos --image-size 224 --workers 4
     torchrun ... train_flowers.py --pretrained weights/resnet18_imagenet.pth --freeze-epochs 1
     torchrun ... train_flowers.py --resume     # continue from <checkpoint-dir>/last.pt
+    python train_flowers.py ...                # one process, without torchrun
 
 What notebooks 01-06 taught, in one script: the five DDP steps (03); a global batch that stays the same
 when the number of processes changes, by gradient accumulation with no_sync (05); a learning rate scaled
@@ -12,19 +13,15 @@ to that batch, with warm-up then cosine decay; mixed precision where the device 
 distributed evaluation (03); best and last checkpoints, atomic and resumable (06); SyncBatchNorm where
 the backend supports it; TensorBoard scalars, image grids and a confusion matrix (07).
 
-Copy it into your own project with course/data.py and course/models.py (your data and model code) and
-course/errors.py (see @record); it needs torch, torchvision, tqdm and tensorboard (and matplotlib for the
-two figures, which are left out without it). Relative paths are relative to the working directory.
+To take it home, copy these four files beside it: course/__init__.py (empty), course/data.py and course/models.py
+(your data and model code: replace them), course/train_utils.py. It needs torch, torchvision, tqdm and
+tensorboard (and matplotlib for two figures, left out without it). Relative paths are relative to the working
+directory; outside the course, --data-dir says where the images are.
 """
 import argparse
-import json
 import math
 import os
-import pickle
-import statistics
-import sys
 import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,71 +34,24 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from course.data import DatasetError, build_datasets, denormalize
-from course.errors import record  # torch's @record, fixed: torch writes its error file non-atomically
 from course.models import RESNETS, resnet
+from course.train_utils import (
+    CourseError,
+    StepTimer,
+    check_writable,
+    fail,
+    load_weights,
+    number,
+    pick_device_and_backend,
+    record,
+    save_atomically,
+    save_json,
+)
 
 NAME = Path(__file__).stem
 # SyncBatchNorm's forward runs on these device types only (torch/nn/modules/batchnorm.py); on the CPU,
 # DDP refuses it at construction: ValueError("SyncBatchNorm layers only work with GPU modules").
 SYNC_BN_DEVICES = ("cuda", "xpu", "hpu")
-
-
-def number(kind, low, strict=True):
-    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
-        return value
-    return parse
-
-
-def fail(message):
-    """Bad input found before training: one "error: ..." line and exit status 2, as argparse does."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def check_writable(path):
-    """Refuse a checkpoint path that cannot be written now, naming the cause, not after an epoch of training."""
-    blocker = next((p for p in path.parents if p.is_file()), None)
-    if blocker:
-        fail(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.probe{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as error:
-        fail(f"cannot write the checkpoint {path}: {error.strerror}")
-
-
-def save_atomically(obj, path, save=torch.save):
-    """save(obj, file) into a temporary file, then rename it onto ``path``: a crash mid-write leaves the old
-    file whole. One temporary name per file, so the next save reuses whatever a killed writer left."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:  # a plain open: the file gets the user's umask, like torch.save(obj, path)
-        save(obj, f)
-    os.replace(tmp, path)  # atomic on POSIX and Windows
-
-
-def save_json(obj, f):
-    f.write(json.dumps(obj, indent=2).encode())
-
-
-def pick_device(local_rank, local_world_size):  # (device, backend) for this rank
-    """An accelerator per process (<type>:local_rank) with PyTorch's backend for it (nccl for CUDA, xccl for XPU)
-    if there is one for every process on this machine and that backend carries its tensors; else the CPU and
-    gloo (so on a Mac, whose MPS device gloo cannot carry, ranks use the CPU). The rule of course.hardware.choose."""
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator and torch.accelerator.device_count() >= local_world_size:
-        backend = dist.Backend.default_device_backend_map.get(accelerator.type)
-        if accelerator.type in dist.Backend.backend_capability.get(backend, ()):
-            return torch.device(accelerator.type, local_rank), backend
-    return torch.device("cpu"), "gloo"
 
 
 def parse_args():
@@ -186,33 +136,6 @@ def evaluate(model, loader, device, num_classes, dtype, keep=0):
     return confusion, loss_sum, wrong
 
 
-def load_weights(path, model, device, skip=()):
-    """Load the weights in ``path`` (a state_dict, or a checkpoint with a "model" entry) into ``model``, but for
-    tensors whose names start with a prefix in ``skip``; return the file's contents. weights_only=True refuses
-    a file that would run code when loaded, map_location puts the tensors on this process's device."""
-    try:
-        with warnings.catch_warnings():  # torch warns about unusual pickles, once per rank: the error says it
-            warnings.simplefilter("ignore", UserWarning)
-            state = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError:
-        fail(f"{path} is not a plain tensor checkpoint: it was refused because loading it would run code "
-             "(or build objects other than tensors); load it with weights_only=False only if you trust it")
-    except (RuntimeError, EOFError, ValueError, OSError) as error:
-        fail(f"{path} cannot be read: corrupt or truncated ({type(error).__name__})")
-    weights = state.get("model", state) if isinstance(state, dict) else None
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        fail(f"{path} holds no state_dict (a dict of tensors, or a checkpoint with a 'model' entry)")
-    weights = {k.removeprefix("module."): v for k, v in weights.items() if not k.startswith(skip)}
-    mine = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
-    differ = sorted(set(mine) ^ set(weights)) + [k for k in mine if k in weights and mine[k].shape != weights[k].shape]
-    if differ:
-        k = differ[0]
-        fail(f"{path} does not fit a {model.course_name} ({len(differ)} tensors differ, first {k}): "
-             "another architecture?")
-    model.load_state_dict(weights, strict=not skip)
-    return state
-
-
 def pyplot():
     """matplotlib's pyplot without a display (a training process has none), or None if it is not installed."""
     try:
@@ -259,9 +182,10 @@ def misclassified_figure(wrong, classes, plt):
 def main():
     args = parse_args()
     start = time.time()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    device, backend = pick_device(local_rank, int(os.environ["LOCAL_WORLD_SIZE"]))
+    torchrun = "RANK" in os.environ  # else plain python: a job of one process
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, local_world_size = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device, backend = pick_device_and_backend(local_rank, local_world_size)
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
@@ -272,14 +196,15 @@ def main():
     micro, accum = accumulation(args.global_batch, args.batch_size, world_size)
     try:  # every image is decoded once here: a corrupt one stops the run now, not in the middle of an epoch
         train_set, val_set, num_classes = build_datasets("flowers", args.data_dir, args.image_size)
-    except DatasetError as error:
+        check_writable(last_path)
+        check_writable(best_path)
+        model = resnet(args.model, num_classes).to(device)
+        if args.pretrained:  # e.g. torchvision's ImageNet weights: everything but the 1000-class head
+            load_weights(args.pretrained, model, device, skip=("fc.",))
+        resumed = load_weights(last_path, model, device) if args.resume and last_path.exists() else None
+    except (DatasetError, CourseError) as error:
         fail(error)
     classes = train_set.base.classes
-    check_writable(last_path)
-    model = resnet(args.model, num_classes).to(device)
-    if args.pretrained:  # e.g. torchvision's ImageNet weights: everything but the 1000-class head
-        load_weights(args.pretrained, model, device, skip=("fc.",))
-    resumed = load_weights(last_path, model, device) if args.resume and last_path.exists() else None
     if resumed and resumed.get("config", {}).get("classes") != classes:
         fail(f"{last_path} was trained on other classes: {resumed.get('config', {}).get('classes')}")
     if resumed and (resumed["epoch"] >= args.epochs or 0 < args.max_steps <= resumed["step"]):
@@ -289,7 +214,10 @@ def main():
     # the checkpoint (purge_step), so the curve continues without a repeated stretch.
     writer = SummaryWriter(args.run_dir, purge_step=resumed["step"] + 1 if resumed else None) if rank == 0 else None
     loss_history = []  # (step, global mean loss), for metrics.json
-    dist.init_process_group(backend)
+    if torchrun:
+        dist.init_process_group(backend)
+    else:  # `python train_flowers.py`: a group of this one process (no torchrun to meet the others at)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
     # Exact global batch: world_size processes x `accum` micro-steps x `micro` samples, whatever world_size is.
     sampler = DistributedSampler(train_set, seed=args.seed)
@@ -344,9 +272,8 @@ def main():
                   flush=True)
 
     # Steady-state speed: the first --warmup-steps steps of this run (allocation, caches) are not timed, nor is
-    # evaluation; a GPU runs ahead of Python, so each step ends with a synchronize.
-    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None
-    durations, timed_samples, steps_run = [], 0, 0
+    # evaluation; a GPU runs ahead of Python, so each timed step waits for it.
+    timer = StepTimer(args.warmup_steps, torch.accelerator.synchronize if device.type != "cpu" else None)
     running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
     elapsed = history[-1]["elapsed_s"] if history else 0.0  # training + evaluation time, for time-to-accuracy
     shown = False
@@ -361,9 +288,8 @@ def main():
         steps = min(steps_per_epoch, args.max_steps - step) if args.max_steps else steps_per_epoch
         batches = iter(train_loader)
         epoch_start, epoch_loss = time.perf_counter(), torch.zeros(2, device=device)
-        samples_before, seconds_before = timed_samples, sum(durations)
-        sync()
-        last = time.perf_counter()
+        samples_before, seconds_before = timer.samples, sum(timer.durations)
+        timer.start()
         for _ in tqdm(range(steps), f"epoch {epoch}", mininterval=3, ncols=90, disable=rank != 0):
             lr = lr_at(step, peak_lr, warmup, total_steps)
             for group in optimizer.param_groups:
@@ -395,13 +321,7 @@ def main():
                 if writer:
                     writer.add_scalar("train/loss", loss_history[-1][1], step)
                 running.zero_()
-            sync()
-            now = time.perf_counter()
-            steps_run += 1
-            if steps_run > args.warmup_steps:
-                durations.append(now - last)
-                timed_samples += accum * micro
-            last = now
+            timer.tick(accum * micro)
 
         final = epoch == args.epochs - 1 or (args.max_steps and step >= args.max_steps)
         keep = args.show_images if final and writer else 0
@@ -413,10 +333,10 @@ def main():
         correct, total = confusion.trace().item(), confusion.sum().item()
         accuracy = correct / total
         per_class = (confusion.diag() / confusion.sum(1).clamp(min=1)).tolist()
-        rate = (timed_samples - samples_before) / max(1e-9, sum(durations) - seconds_before) * world_size
+        rate = (timer.samples - samples_before) / max(1e-9, sum(timer.durations) - seconds_before) * world_size
         history.append({"epoch": epoch, "step": step, "lr_last": lr, "train_loss": (epoch_loss[0] / epoch_loss[1]).item(),
                         "val_loss": val_loss.item() / total, "val_accuracy": accuracy, "elapsed_s": round(elapsed, 2),
-                        "samples_per_s": rate if timed_samples > samples_before else None})
+                        "samples_per_s": rate if timer.samples > samples_before else None})
         if writer:
             writer.add_scalar("val/accuracy", accuracy, step)
             writer.add_scalar("val/loss", val_loss.item() / total, step)
@@ -441,11 +361,9 @@ def main():
             writer.flush()  # the events so far are on disk with the checkpoint: a crash loses none of them
         best = max(best, accuracy)  # every rank: the same value rank 0 saved
 
-    rate = timed_samples * world_size / sum(durations) if durations else None  # summed over the ranks
     metrics = {"script": NAME, "world_size": world_size, "backend": backend, "device": str(device),
                "model": args.model, "image_size": args.image_size, "classes": classes,
-               "samples_per_s": rate, "timed_steps": len(durations), "warmup_steps": min(args.warmup_steps, steps_run),
-               "step_time_median_s": statistics.median(durations) if durations else None,
+               **timer.summary(world_size),  # samples/s summed over the ranks
                "steps": step, "epochs_done": len(history), "global_batch": args.global_batch, "micro_batch": micro,
                "accumulation_steps": accum, "peak_lr": peak_lr, "amp": str(dtype or "off"), "sync_bn": sync_bn,
                "pretrained": str(args.pretrained or ""), "freeze_epochs": args.freeze_epochs,
@@ -455,10 +373,10 @@ def main():
                "train_loss_history": loss_history}
     if rank == 0:
         writer.close()
-        save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
-        print(f"done: {f'{rate:.0f} samples/s' if rate else 'no step timed'}, val accuracy "
-              f"{metrics['val_accuracy']:.3f}, best {best:.3f} -> {best_path}", flush=True)
-    dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+        save_json(metrics, args.run_dir / "metrics.json")  # atomically: a reader never sees half a file
+        print(f"done: {timer.line(world_size)}, val accuracy {metrics['val_accuracy']:.3f}, best {best:.3f} -> "
+              f"{best_path}", flush=True)
+    dist.barrier()  # every rank done before any leaves (gloo needs it: notebook 03)
     dist.destroy_process_group()
 
 

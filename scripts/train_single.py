@@ -3,17 +3,13 @@
 
     python train_single.py                       # MLP 784-128-10 on the MNIST-shaped set
     python train_single.py --dataset flowers     # small CNN on the flowers JPEGs at 64 px
-    torchrun --nproc-per-node=1 train_single.py  # the same run, under torchrun
+    python train_single.py --data-dir ~/mnist    # outside the course: where your data is
 
-Copy it into your own project with course/data.py and course/models.py (your data and model code) and
-course/errors.py (see @record); it needs torch, torchvision, tqdm and tensorboard, nothing else.
-Relative paths (--run-dir, --checkpoint) are relative to the working directory.
+To take it home, copy these four files beside it: course/__init__.py (empty), course/data.py and course/models.py
+(your data and model code: replace them), course/train_utils.py. It needs torch, torchvision, tqdm and
+tensorboard, nothing else. Relative paths (--run-dir, --checkpoint) are relative to the working directory.
 """
 import argparse
-import json
-import os
-import statistics
-import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -25,29 +21,27 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from course.data import DatasetError, build_datasets
-from course.errors import record  # torch's @record, fixed: torch writes its error file non-atomically
 from course.models import DEFAULT_MODEL, build_model
+from course.train_utils import (
+    CourseError,
+    StepTimer,
+    check_writable,
+    fail,
+    number,
+    one_process_only,
+    pick_device,
+    record,
+    save_atomically,
+    save_json,
+)
 
 NAME = Path(__file__).stem
-
-
-def number(kind, low, strict=True):
-    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
-        return value
-    return parse
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist")
-    parser.add_argument("--data-dir", help="use a real dataset at this path instead of the generated one")
+    parser.add_argument("--data-dir", help="the dataset's folder (in the course: default, the generated one)")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="default: mlp (mnist), cnn (flowers)")
     parser.add_argument("--image-size", type=number(int, 0), default=64, help="flowers only: resized to this")
     parser.add_argument("--epochs", type=number(int, 0), default=3)
@@ -61,45 +55,6 @@ def parse_args():
     parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")
     parser.add_argument("--checkpoint", type=Path, default=Path("weights", f"{NAME}.pt"))
     return parser.parse_args()
-
-
-def fail(message):
-    """Bad input found before training: one "error: ..." line and exit status 2, as argparse does."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def check_writable(path):
-    """Refuse a checkpoint path that cannot be written now, naming the cause, not after an epoch of training."""
-    blocker = next((p for p in path.parents if p.is_file()), None)
-    if blocker:
-        fail(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.probe{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as error:
-        fail(f"cannot write the checkpoint {path}: {error.strerror}")
-
-
-def save_atomically(obj, path, save=torch.save):
-    """save(obj, file) into a temporary file, then rename it onto ``path``: a crash mid-write leaves the old
-    file whole. One temporary name per file, so the next save reuses whatever a killed writer left."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:  # a plain open: the file gets the user's umask, like torch.save(obj, path)
-        save(obj, f)
-    os.replace(tmp, path)  # atomic on POSIX and Windows
-
-
-def save_json(obj, f):
-    f.write(json.dumps(obj, indent=2).encode())
-
-
-def pick_device():
-    """This machine's accelerator if it has one (CUDA, MPS, XPU, ...), else the CPU."""
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    return torch.device(accelerator.type, 0) if accelerator else torch.device("cpu")
 
 
 @torch.no_grad()
@@ -118,15 +73,16 @@ def evaluate(model, loader, device):
 def main():
     args = parse_args()
     start = time.time()
-    device = pick_device()
+    one_process_only(NAME)  # torchrun --nproc-per-node=2 would train two models into one checkpoint
+    device = pick_device()  # this machine's accelerator, else the CPU
     torch.manual_seed(args.seed)  # the same initial weights on every run
 
     # Whatever can be wrong with the input is found before training starts: one "error: ..." line, exit 2.
     try:
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
-    except DatasetError as error:
+        check_writable(args.checkpoint)  # not after an epoch of training
+    except (DatasetError, CourseError) as error:
         fail(error)
-    check_writable(args.checkpoint)  # not after an epoch of training
     writer = SummaryWriter(args.run_dir)  # TensorBoard events
     shuffle = torch.Generator()  # reseeded every epoch: a new order each epoch, the same order each run
     sampler = RandomSampler(train_set, generator=shuffle)
@@ -137,13 +93,13 @@ def main():
     model_name = args.model or DEFAULT_MODEL[args.dataset]
     model = build_model(model_name, num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    criterion = nn.CrossEntropyLoss()  # has no parameters or buffers: nothing to move to the device
+    criterion = nn.CrossEntropyLoss().to(device)  # moves nothing here; a weighted loss holds a tensor to move
 
     print(f"{NAME}: {len(train_set)} training samples on {device}, batch {args.batch_size}", flush=True)
 
-    # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation.
-    sync = torch.accelerator.synchronize if device.type != "cpu" else lambda: None  # a GPU runs ahead of Python
-    durations, timed_samples = [], 0
+    # Steady-state speed: the first steps (allocation, caches) are not timed, nor is evaluation; a GPU runs
+    # ahead of Python, so each timed step waits for it.
+    timer = StepTimer(args.warmup_steps, torch.accelerator.synchronize if device.type != "cpu" else None)
     running = torch.zeros(2, device=device)  # [sum of losses, steps] since the last logged loss
     step, train_loss, history = 0, float("nan"), []
     for epoch in range(args.epochs):
@@ -151,8 +107,7 @@ def main():
         # Only the steps this epoch runs, so that --max-steps ends the loop (and closes the bar at 100%).
         steps = min(len(train_loader), args.max_steps - step) if args.max_steps else len(train_loader)
         bar = tqdm(islice(train_loader, steps), f"epoch {epoch}", steps, mininterval=3, ncols=90)
-        sync()
-        last = time.perf_counter()
+        timer.start()
         for i, (images, labels) in enumerate(bar):
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(model(images), labels)
@@ -166,12 +121,7 @@ def main():
                 running.zero_()
                 writer.add_scalar("train/loss", train_loss, step)
                 history.append((step, train_loss))
-            sync()
-            now = time.perf_counter()
-            if step > args.warmup_steps:
-                durations.append(now - last)
-                timed_samples += len(labels)
-            last = now
+            timer.tick(len(labels))
 
         correct, total = evaluate(model, val_loader, device).tolist()
         writer.add_scalar("val/accuracy", correct / total, step)
@@ -182,18 +132,14 @@ def main():
         if step == args.max_steps:
             break
 
-    rate = timed_samples / sum(durations) if durations else None
     metrics = {"script": NAME, "world_size": 1, "backend": None, "device": str(device),
                "batch_per_rank": args.batch_size, "global_batch": args.batch_size, "lr": args.lr,
-               "dataset": args.dataset, "model": model_name, "steps": step, "samples_per_s": rate,
-               "timed_steps": len(durations), "warmup_steps": min(args.warmup_steps, step),
-               "step_time_median_s": statistics.median(durations) if durations else None,
+               "dataset": args.dataset, "model": model_name, "steps": step, **timer.summary(),
                "final_train_loss": train_loss, "val_accuracy": correct / total, "val_correct": correct,
                "val_total": total, "wall_time_s": round(time.time() - start, 3), "train_loss_history": history}
     writer.close()
-    save_atomically(metrics, args.run_dir / "metrics.json", save_json)  # a reader never sees half a file
-    speed = f"{rate:.0f} samples/s ({len(durations)} timed steps)" if rate else "no step timed after the warm-up"
-    print(f"done: {speed}, val accuracy {correct / total:.4f}", flush=True)
+    save_json(metrics, args.run_dir / "metrics.json")  # atomically: a reader never sees half a file
+    print(f"done: {timer.line()}, val accuracy {correct / total:.4f}", flush=True)
 
 
 if __name__ == "__main__":

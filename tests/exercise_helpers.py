@@ -1,11 +1,13 @@
 """Shared by the tests of notebook 09's checker (tests/test_exercises_*.py): check() on a script text or a
-file, written into a temporary folder, with no process left behind; a reference solution with edits."""
+file, written into a temporary folder, with no process left behind; ``mutate`` (a reference solution with
+edits) is course.exercises.mutations'."""
 
 import time
 
 import pytest
 
 from course.exercises import EXERCISES, check
+from course.exercises.mutations import mutate  # noqa: F401 - the tests' import of it
 
 
 @pytest.fixture(name="run_check")
@@ -27,12 +29,3 @@ def run_check_fixture(tmp_path, wait_no_processes):
 
     run.results = results
     return run
-
-
-def mutate(key: str, *replacements: tuple[str, str]) -> str:
-    """The reference solution of an exercise with each (old, new) replaced; every old text must be there."""
-    text = EXERCISES[key].solution.read_text()
-    for old, new in replacements:
-        assert old in text, f"the solution of exercise {key} no longer contains {old!r}"
-        text = text.replace(old, new)
-    return text

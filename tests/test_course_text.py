@@ -1,16 +1,29 @@
-"""The course's text stays readable in a sitting: the markdown of notebooks 00-09 (04b included) holds at most
-22,000 words, counted by splitting on whitespace (issue 19: say each thing once, link to the glossary after)."""
+"""The course's text: readable in a sitting, and its times from one source.
+
+- The markdown of notebooks 00-09 (04b included) holds at most 22,000 words, counted by splitting on whitespace
+  (issue 19: say each thing once, link to the glossary after). A cell whose first line contains 中文 is a Chinese
+  rendering of another cell and is not counted.
+- Times (issue 33 §2): the README's table and every notebook's ``**Time:**`` line state exactly the figures of
+  ``notebooks/times.json`` (course.times), and a Chinese header's ``**时间`` line states the same numbers.
+"""
+
+import re
 
 import nbformat
 
-from course import ROOT
+from course import ROOT, times
 
 LIMIT = 22_000
+CHINESE = "中文"
+
+
+def is_chinese(cell) -> bool:
+    return CHINESE in cell.source.split("\n", 1)[0]
 
 
 def markdown_words(path) -> int:
     return sum(len(cell.source.split()) for cell in nbformat.read(path, as_version=4).cells
-               if cell.cell_type == "markdown")
+               if cell.cell_type == "markdown" and not is_chinese(cell))
 
 
 def test_markdown_of_notebooks_00_to_09_stays_under_the_word_limit():
@@ -21,3 +34,60 @@ def test_markdown_of_notebooks_00_to_09_stays_under_the_word_limit():
     print(f"markdown words in notebooks 00-09: {total} (limit {LIMIT}); "
           + ", ".join(f"{name[:3].rstrip('_')} {n}" for name, n in counts.items()))
     assert total <= LIMIT, f"{total} words of markdown in notebooks 00-09, more than {LIMIT}: {counts}"
+
+
+def test_chinese_cells_are_not_counted(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("one two three"),
+                                         nbformat.v4.new_markdown_cell(f"{CHINESE}\n一 二 三 四 five six"),
+                                         nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(nb, tmp_path / "x.ipynb")
+    assert markdown_words(tmp_path / "x.ipynb") == 3
+
+
+def test_times_in_the_readme_and_every_header_are_those_of_times_json():
+    data = times.load()
+    stems = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert sorted(data["notebooks"]) == stems, "every notebook has its times in notebooks/times.json"
+    for stem, entry in data["notebooks"].items():
+        assert entry["quick_run"] in data["runs"], f"{stem}: the run its quick time comes from is described"
+    readme = times.README.read_text()
+    rows = times.readme_rows(readme)
+    assert sorted(rows) == stems, "every notebook has a row in the README's table"
+    wrong = {stem: cells[-3:] for stem, cells in rows.items() if cells[-3:] != times.readme_cells(data["notebooks"][stem])}
+    assert not wrong, f"README cells that differ from notebooks/times.json (python -m course.times rewrites them): {wrong}"
+    core = [stem for stem, cells in rows.items() if cells[2].startswith("core")]
+    assert times.core_sentence(data, core) in readme
+    for stem in stems:
+        entry = data["notebooks"][stem]
+        cells = [c for c in nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4).cells
+                 if c.cell_type == "markdown"]
+        lines = [line for line in cells[0].source.splitlines() if line.startswith("**Time:**")]
+        assert lines == [times.header_line(entry)], f"{stem}: its header's Time line is not times.json's"
+        for cell in filter(is_chinese, cells):
+            for line in (line for line in cell.source.splitlines() if line.startswith("**时间")):
+                numbers = re.findall(r"\d+(?:\.\d+)?", line)
+                assert all(figure in numbers for figure in times.figures(entry)), (stem, line, times.figures(entry))
+
+
+def test_a_recorded_run_rewrites_the_readme_and_the_headers(tmp_path, monkeypatch):
+    """``course.run_notebooks --record-times``: the run's seconds go into times.json, then into the text."""
+    import shutil
+
+    for name in ("times.json", "00_environment.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, tmp_path / name)
+    shutil.copy(times.README, tmp_path / "README.md")
+    monkeypatch.setattr(times, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(times, "TIMES", tmp_path / "times.json")
+    monkeypatch.setattr(times, "README", tmp_path / "README.md")
+    before = times.load()["notebooks"]["01_single_device"]
+    run = times.record([("00_environment.ipynb", True, 21.4), ("01_single_device.ipynb", False, 3.0)],
+                       quick=True, command="COURSE_QUICK=1 python -m course.run_notebooks 00 01")
+    data = times.load()
+    assert data["notebooks"]["00_environment"]["quick_s"] == 21 and data["notebooks"]["00_environment"]["quick_run"] == run
+    assert data["notebooks"]["01_single_device"] == before  # it failed: its time is not stored
+    assert data["runs"][run]["notebooks"] == 1 and len(data["runs"][run]["load_average_at_end"]) == 3
+    assert sorted(times.apply()) == ["00_environment.ipynb", "README.md"]
+    assert times.readme_rows((tmp_path / "README.md").read_text())["00_environment"][-2] == "21 s"
+    header = nbformat.read(tmp_path / "00_environment.ipynb", as_version=4).cells[0].source
+    assert times.header_line(data["notebooks"]["00_environment"]) in header and " 21 s (measured)" in header
+    assert times.apply() == []  # equal now

@@ -43,10 +43,12 @@ def test_stubs_leave_the_device_lines_to_the_learner(key):
     """The exercises that start a process group leave the device and backend lines as gaps (the debugging lab's
     scripts, 6a-c, are whole scripts with one bug each, so they keep course.hardware's lines)."""
     text = (SCRIPTS / EXERCISES[key].script).read_text()
-    assert "pick_device" not in text and "backend_for" not in text
+    imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+    assert not any("pick_device" in line or "backend_for" in line for line in imports)
     assert "device = ...  # TODO" in text
-    if key == "1":  # converting a script: joining the group is the learner's too
+    if key == "1":  # converting a script: joining the group is the learner's too; the stub names the tools
         assert "init_process_group" not in text
+        assert "torch.accelerator.current_accelerator()" in text and "dist.get_default_backend_for_device" in text
 
 
 @pytest.mark.parametrize("key", STUBS)
@@ -107,3 +109,65 @@ def test_every_exercise_has_hints_for_its_own_diagnoses():
         assert ex.solution.exists() and (SCRIPTS / ex.script).exists()
         for diagnosis, hints in {**COMMON_HINTS, **ex.hints}.items():
             assert hints and all(isinstance(h, str) and h for h in hints), (ex.key, diagnosis)
+
+
+def _traceback(rank: int, path, line: int, code: str, error: str) -> str:
+    return "".join(f"[rank{rank}]:{text}\n" for text in (
+        "Traceback (most recent call last):", f'  File "{path}", line {line}, in main', f"    {code}", error))
+
+
+@pytest.mark.parametrize("partner", [("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                                     "closed by peer [127.0.0.1]:41235"), None])
+def test_a_rank_that_crashes_is_the_cause_not_a_hang(tmp_path, partner):
+    """Issue 34: rank 1 raises its own error; rank 0 then reports the closed connection (or is stopped by
+    torchrun, saying nothing): a crash of rank 1, at its line, not a hang."""
+    from course.exercises.results import Stop
+    from course.exercises.running import Run, failure
+
+    path = (tmp_path / "ex.py").resolve()
+    output = _traceback(1, path, 12, "print(losss)", "NameError: name 'losss' is not defined")
+    if partner:
+        output = _traceback(0, path, 30, "dist.barrier()", partner) + output
+    with pytest.raises(Stop) as stopped:
+        failure(Run(1, output, {}, tmp_path, 1.0), path, 90)
+    verdict = stopped.value.verdict
+    assert (verdict.status, verdict.diagnosis, verdict.facts["rank"]) == ("error", "crash", 1)
+    assert verdict.symptom.startswith("rank 1 crashed at ex.py line 12: `print(losss)`: NameError"), verdict.symptom
+
+
+def test_ranks_that_only_gave_up_on_each_other_are_a_hang(tmp_path):
+    from course.exercises.results import Stop
+    from course.exercises.running import Run, failure
+
+    path = (tmp_path / "ex.py").resolve()
+    output = (_traceback(0, path, 30, "dist.all_reduce(x)", "RuntimeError: [pair.cc:534] Timed out waiting 10000ms")
+              + _traceback(1, path, 40, "dist.barrier()", "RuntimeError: Connection closed by peer [127.0.0.1]:1"))
+    with pytest.raises(Stop) as stopped:
+        failure(Run(1, output, {}, tmp_path, 1.0), path, 90)
+    verdict = stopped.value.verdict
+    assert verdict.diagnosis == "hang" and "rank 0 waited at ex.py line 30" in verdict.facts["detail"]
+
+
+SHARED = {"compare_traces(": ("steps", "no-broadcast", "wrong-start", "ranks-differ", "summed", "halved", "factor",
+                              "differs", "loss-differs"),
+          "failure(": ("hang", "crash"), "load_trace": ("no-trace",), "load_metrics": ("no-output",)}
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_every_diagnosis_a_check_can_reach_has_a_hint_written_for_it(key):
+    """Issue 34: a diagnosis without hints of its own or common ones fell back to another exercise's text."""
+    import ast
+    import inspect
+    import re
+    import sys
+
+    module = sys.modules[EXERCISES[key].check.__module__]
+    others = {ex.check.__name__ for ex in EXERCISES.values() if ex.check.__module__ == module.__name__} \
+        - {EXERCISES[key].check.__name__}  # the debugging lab: three checks in one module
+    source = "\n".join(ast.get_source_segment(inspect.getsource(module), node)
+                       for node in ast.parse(inspect.getsource(module)).body
+                       if not (isinstance(node, ast.FunctionDef) and node.name in others))
+    reached = set(re.findall(r'fail\(\s*"([a-z0-9-]+)"', source)) | set(re.findall(r'diagnosis = "([a-z0-9-]+)"', source))
+    reached |= {d for call, names in SHARED.items() if call in source for d in names} | {"missing", "syntax", "gaps"}
+    written = set(EXERCISES[key].hints) | set(COMMON_HINTS)
+    assert reached <= written, f"exercise {key}: no hint written for {sorted(reached - written)}"

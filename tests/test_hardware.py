@@ -130,8 +130,9 @@ def test_planning_a_cpu_job_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-# The take-home scripts carry their own few device lines (they cannot import course.hardware): each is held
-# against the rule for the same faked hardware, faked where the scripts ask, in torch.accelerator.
+# The take-home scripts carry their own few device lines (they cannot import course.hardware): those of
+# course/train_utils.py, which a learner copies with them. They are held against the rule for the same faked
+# hardware, faked where they ask, in torch.accelerator.
 REPORTS = [(None, 0), ("cuda", 0), ("cuda", 1), ("cuda", 2), ("mps", 1), ("xpu", 2)]
 
 
@@ -149,25 +150,20 @@ def fake_torch(monkeypatch):
 
 
 @pytest.mark.parametrize("report", REPORTS, ids=str)
-@pytest.mark.parametrize("script", ["train_ddp", "train_fsdp", "train_flowers"])
-def test_each_scripts_own_device_lines_follow_the_rule(script, report, fake_torch):
-    from course import import_script
+def test_the_take_home_device_lines_follow_the_rule(report, fake_torch):
+    from course import import_script, train_utils
 
-    module = import_script(script)
     fake_torch(report)
     for nproc in (1, 2):
         chosen = choose(nproc, report=report)
         for local_rank in range(nproc):
-            device, backend = module.pick_device(local_rank, nproc)
+            device, backend = train_utils.pick_device_and_backend(local_rank, nproc)
             expected = torch.device("cpu") if chosen.device_type == "cpu" else torch.device(chosen.device_type, local_rank)
-            assert (device, backend) == (expected, chosen.backend), (script, report, nproc, chosen.reason)
-
-
-@pytest.mark.parametrize("report", REPORTS, ids=str)
-def test_train_singles_device_line_follows_the_rule_for_one_plain_process(report, fake_torch):
-    from course import import_script
-
-    module = import_script("train_single")
-    fake_torch(report)
-    chosen = choose(1, ranks=False, report=report)
-    assert module.pick_device().type == chosen.device_type, chosen.reason
+            assert (device, backend) == (expected, chosen.backend), (report, nproc, chosen.reason)
+    chosen = choose(1, ranks=False, report=report)  # one plain process (train_single.py): MPS too
+    assert train_utils.pick_device().type == chosen.device_type, chosen.reason
+    for script in ("train_single", "train_ddp", "train_fsdp", "train_flowers", "train_resumable"):
+        module = import_script(script)
+        assert getattr(module, "pick_device_and_backend", train_utils.pick_device_and_backend) is \
+            train_utils.pick_device_and_backend and getattr(module, "pick_device", train_utils.pick_device) is \
+            train_utils.pick_device, f"{script} picks its device by the rule's own lines"

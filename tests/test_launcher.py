@@ -19,6 +19,8 @@ from course.hardware import cpu_cores
 from course.launcher import LaunchError, launch, plan
 
 FIXTURE = "tests/fixtures/ranks.py"
+# Its processes, found by the absolute path: another checkout's tests on the same machine run their own copy.
+RANKS = str((ROOT / FIXTURE).resolve())
 
 
 def test_streams_every_rank_live():
@@ -54,15 +56,17 @@ def test_failure_without_check_returns_the_exit_code():
 
 
 def test_timeout_ends_every_process_and_keeps_torchruns_traceback_out_of_the_stream(wait_no_processes):
-    """Issue 21 #9 too: torchrun's SignalException traceback (told to stop) is in the output, not streamed."""
+    """Issue 21 #9 too: torchrun's SignalException traceback (told to stop) is in the output, not streamed;
+    issue 35 #5: so is torch 2.14's shutdown line, "Received 15 death signal, shutting down workers"."""
     start, shown = time.monotonic(), []
     with pytest.raises(LaunchError, match="timed out after 15 s") as error:
         launch(FIXTURE, nproc=2, env={"HANG": "1"}, timeout=15, on_line=shown.append)
     assert time.monotonic() - start < 30
-    assert wait_no_processes("fixtures/ranks.py", timeout=5) == []
+    assert wait_no_processes(RANKS, timeout=5) == []
     stream = "".join(shown)
     assert "SignalException" not in stream and "Traceback" not in stream, stream
     assert "SignalException" in error.value.output
+    assert "death signal" not in stream and "death signal, shutting down workers" in error.value.output, stream
     assert shown[-1].startswith("[launcher] timed out after 15 s")
 
 
@@ -78,14 +82,14 @@ def test_interrupting_a_notebook_cell_leaves_no_orphans(find_processes, wait_no_
             msg = client.get_iopub_msg(timeout=90)
             if msg["msg_type"] == "stream":
                 output += msg["content"]["text"]
-        assert len(find_processes("fixtures/ranks.py")) >= 3  # torchrun + 2 ranks
+        assert len(find_processes(RANKS)) >= 3  # torchrun + 2 ranks
         manager.interrupt_kernel()
         reply = client.get_shell_msg(timeout=60)
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = client.get_shell_msg(timeout=60)
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
-        assert wait_no_processes("fixtures/ranks.py", timeout=10) == []
+        assert wait_no_processes(RANKS, timeout=10) == []
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
@@ -471,6 +475,70 @@ def test_ending_the_callers_whole_tree_removes_the_log_folder(tmp_path, wait_unt
         kill_tree(caller.pid, grace=1)
 
 
+STUBBORN = """
+import signal, time
+import torch.distributed as dist
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # slow to stop, as a rank of a loaded machine can be
+dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()}: starting", flush=True)
+time.sleep(300)
+"""
+# make lab's process tree: the helper (python -m course.lab) starts Lab in its own session with a watchdog
+# over it; a kernel of Lab launches the job.
+LAB_HELPER = ("import subprocess, sys\nfrom course.launcher import start_watchdog\n"
+              "kernel = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], start_new_session=True)\n"
+              "start_watchdog([kernel.pid])\nkernel.wait()\n")
+
+
+def test_killing_make_lab_during_a_launch_leaves_no_log_folder(tmp_path, wait_until, find_processes):
+    """Issue 35 #4: SIGKILL of the Lab helper. Its watchdog ends the tree, and kills the job's own watchdog
+    before that one has removed the log folder (ranks slow to stop); the Lab's watchdog removes it then."""
+    from course.launcher import kill_tree
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    helper = subprocess.Popen([sys.executable, "-c", LAB_HELPER, LAB_LIKE, str(script)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "TMPDIR": str(temp)})
+    seen = []
+    threading.Thread(target=lambda: seen.extend(helper.stdout), daemon=True).start()
+    try:
+        wait_until(lambda: sum("starting" in line for line in list(seen)) >= 2, 120, "both ranks to start")
+        assert list(temp.glob("course-torchrun-*"))
+        helper.kill()
+        wait_until(lambda: not find_processes(str(script)), 20, "every process of the job to end")
+        wait_until(lambda: not list(temp.glob("course-torchrun-*")), 10, "the log folder to be removed")
+    finally:
+        helper.kill()
+        for proc in find_processes(str(script)):
+            kill_tree(proc.pid, grace=0)
+
+
+def test_a_launch_removes_log_folders_whose_owner_is_gone(tmp_path, monkeypatch):
+    """Issue 35 #4, the other half: a folder left by an owner killed outright is removed by the next launch;
+    the folder of a live owner is kept."""
+    import tempfile
+
+    import psutil
+
+    from course.launcher.processes import LOG_PREFIX
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    born = psutil.Process(gone.pid).create_time()
+    gone.wait()
+    me = psutil.Process()
+    orphan = tmp_path / f"{LOG_PREFIX}{gone.pid}-{round(born)}-abc"
+    live = tmp_path / f"{LOG_PREFIX}{me.pid}-{round(me.create_time())}-abc"
+    for folder in (orphan, live):
+        (folder / "attempt_0").mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    launch(FIXTURE, nproc=1, timeout=120, on_line=lambda _: None)
+    assert not orphan.exists() and live.is_dir()
+    assert sorted(tmp_path.glob(f"{LOG_PREFIX}*")) == [live]  # and the launch's own folder is gone
+
+
 RESTARTED = """
 import os
 import torch.distributed as dist
@@ -493,3 +561,37 @@ def test_restarts_through_the_launcher_get_a_fresh_store(tmp_path):
     result = launch(script, 2, torchrun_args=["--max-restarts=1"], timeout=180, on_line=shown.append)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shown[0]
     assert "rank 0 finished attempt 1" in result.output and "rank 1 finished attempt 1" in result.output
+
+
+HUNG = """
+import sys, time, traceback
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=4))
+rank = dist.get_rank()
+try:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never calls it: rank 0 is stuck first
+    else:
+        time.sleep(2)
+        dist.barrier()  # and rank 1 waits here, 2 s later, for a barrier rank 0 never reaches
+except RuntimeError:
+    traceback.print_exc()
+    sys.stderr.flush()
+    if rank == 0:
+        time.sleep(30)  # slow to exit (a loaded machine): rank 1, which timed out later, exits first
+    raise
+"""
+
+
+def test_a_hang_names_the_rank_that_timed_out_first_not_the_first_to_exit(tmp_path):
+    """Issue 35 #6: both ranks time out, rank 0 first; rank 1 exits first and torchrun stops rank 0.
+    The failure names rank 0, from the timeout messages, not 'stopped by torchrun after rank 1 exited'."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    result = launch(script, 2, timeout=120, check=False, on_line=lambda _: None)
+    assert "exitcode  : -15" in result.output, result.output  # torchrun stopped rank 0 after rank 1 exited
+    first = result.failure.splitlines()[0]
+    assert first.startswith("rank 0 timed out first (torchrun then ended it by SIGTERM)"), result.failure
+    assert "all_reduce" in result.failure and "Timed out waiting 4000ms" in result.failure

@@ -193,6 +193,9 @@ def test_step_model_never_predicts_more_than_n_and_names_what_it_cannot_see():
     fast = StepModel(2, t1=1.0, t_no_sync=0.3, t_sync=0.4, t_comm=0.05, overlap=0.5, threads=(2, 1))
     assert fast.predicted() <= 2 and fast.predicted(0) <= 2 and fast.measured == 5.0
     assert not fast.lands() and any("how well 1 process uses 2 thread(s)" in line for line in fast.report(True))
+    assert "measured 5.00x (1 run of 1 process, 1 of 2; whether it is a speed-up" in fast.report(True)[0]
+    rounds = StepModel(2, t1=1.0, t_no_sync=0.3, t_sync=0.4, t_comm=0.05, overlap=0.5, runs=(5, 5))
+    assert "measured 5.00x (medians of 5 run(s) of 1 process and 5 of 2;" in rounds.report(True)[0]  # issue 33 §3
     # pieces that add up: (1 - f) * T_comm == T_sync - T_no_sync, compute no faster than one process
     exact = StepModel(2, t1=0.1, t_no_sync=0.12, t_sync=0.14, t_comm=0.04, overlap=0.5)
     assert abs(exact.exposed - (exact.t_sync - exact.t_no_sync)) < 1e-12

@@ -23,7 +23,15 @@ from course.data import build_datasets
 from course.launcher import launch, run_commands
 from course.measure import Comparison
 from course.models import build_model
-from course.pitfall_jobs import comparison_from, must_fail, symptom
+from course.pitfall_jobs import (
+    comparison_from,
+    device_reports,
+    first_indices,
+    join_weight,
+    key_lines,
+    must_fail,
+    symptom,
+)
 from course.spawn_capture import output_of_children, spawn_bounded
 
 QUIET = {"backend": "gloo", "quiet": True, "on_line": lambda _: None}  # CPU, even on a GPU box
@@ -151,6 +159,39 @@ def test_symptom_keeps_each_line_once_and_drops_the_copies_torchrun_repeats(caps
     assert "boom here" not in found and len(found) == 3  # "x boom" once
     printed = capsys.readouterr().out
     assert printed.startswith("SYMPTOM:") and "nothing" not in printed
+
+
+def test_lines_of_a_run_that_works_are_not_labelled_symptom(capsys):
+    """Learner review: the success lines of a fixed run were printed under "SYMPTOM:"."""
+    assert key_lines("[rank0]:rank 0: done\n", "done") == ["[rank0]:rank 0: done"]
+    assert capsys.readouterr().out.startswith("RESULT:")
+
+
+def test_the_readers_of_the_pitfall_scripts_lines():
+    """What the notebooks' cells used to parse with regular expressions, read by course.pitfall_jobs."""
+    output = ("[rank1]:rank 1 (local rank 1, gloo): parameters on cpu, current GPU index n/a (CPU)\n"
+              "[rank0]:rank 0 (local rank 0, nccl): parameters on cuda:0, current GPU index 0\n"
+              "[rank0]:[without set_epoch, seed 0] rank 0 epoch 0: first indices [3, 1]\n"
+              "[rank0]:[with set_epoch, seed 0] rank 0 epoch 0: first indices [3, 1]\n"
+              "[rank0]:[with set_epoch, seed 1] rank 0 epoch 0: first indices [9, 9]\n"
+              "[rank0]:[with set_epoch, seed 0] rank 0 epoch 1: first indices [2, 0]\n"
+              "[rank0]:rank 0 step 5: the others have joined; DDP applied 0.25 x this batch's own gradient\n")
+    assert device_reports(output) == [(0, "nccl", "cuda:0", "0"), (1, "gloo", "cpu", "n/a (CPU)")]
+    assert first_indices(output) == {"without": ["[3, 1]"], "with": ["[3, 1]", "[2, 0]"]}
+    assert join_weight(output) == 0.25
+
+
+def test_notebook_04_says_what_each_measurement_showed(notebook_04):
+    """Learner review: pitfall 4's symptom and pitfall 2's fix were stated, not shown. The cells print what this
+    run measured; fixed runs are not labelled as symptoms; Check yourself asks about runs no cell made."""
+    text = notebook_04.output()
+    assert re.search(r"^(Shown here: .* slower than |Not shown here: no setting was decided slower)", text,
+                     re.MULTILINE)
+    assert re.search(r"^Here the (fix also scored higher|fix scored lower|accuracies are about the same|"
+                     r"accuracies do not decide either way)\. The symptom is the repeated order above\.", text,
+                     re.MULTILINE)
+    assert not re.search(r"SYMPTOM:\n  \[rank\d\]:rank \d: 3 steps done", text)  # pitfall 3's fixed run
+    assert "on 4 ranks Join weighted the extra batch 0.25x" in text
 
 
 def test_must_fail_refuses_a_job_that_succeeds(no_leftovers):

@@ -54,15 +54,15 @@ def test_every_check_yourself_starts_unanswered(path):
 
 def test_an_unanswered_question_does_not_pass(monkeypatch, capsys):
     monkeypatch.delenv("COURSE_ANSWER_KEY", raising=False)
-    assert quiz.answers("03", NPROC=None, BATCH_PER_RANK=32) is None
-    assert "Not answered yet: set NPROC" in capsys.readouterr().out
+    assert quiz.answers("03", STEPS_PER_EPOCH=None, BATCH_PER_RANK=16) is None
+    assert "Not answered yet: set STEPS_PER_EPOCH" in capsys.readouterr().out
     assert quiz.verdict(["the run used 1 process"], "never printed") is False
     assert "Not yet: the run used 1 process" in capsys.readouterr().out
 
 
 def test_the_key_answers_and_a_failing_key_raises(monkeypatch):
     monkeypatch.setenv("COURSE_ANSWER_KEY", "1")
-    got = quiz.answers("03", NPROC=None, BATCH_PER_RANK=None)
+    got = quiz.answers("03", BATCH_PER_RANK=None, STEPS_PER_EPOCH=None)
     assert got is not None and vars(got) == quiz.key("03")
     with pytest.raises(AssertionError, match="does not pass"):
         quiz.verdict(["wrong"], "x")

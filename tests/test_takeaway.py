@@ -1,12 +1,15 @@
-"""The take-home scripts run copied alone into an empty project: each script with only the course's data and
-model code beside it (course/__init__.py empty, course/data.py, course/models.py) and course/errors.py, the fix
-for torch's @record that the scripts import. Run on 2 gloo processes with plain torchrun (not the course's
-launcher; train_single.py on 1); the copy's course/ shadows the installed course package, and its __pycache__ shows what was imported.
-The same runs show that train_single.py and train_ddp.py learn and report as they should: each script is run once.
+"""The take-home scripts run copied alone into an empty project: each script with exactly the files its docstring
+says to copy (course/__init__.py empty, course/data.py, course/models.py, course/train_utils.py), run with plain
+torchrun (not the course's launcher) on 2 gloo processes (train_single.py on 1), in an environment where the
+course itself is importable too (its scripts/ on PYTHONPATH, as an installed course would be): the copy's course/
+must win, and its __pycache__ shows what was imported. The same runs show that train_single.py and train_ddp.py
+learn and report as they should: each script is run once. Then the newcomer's mistakes (issue 35 item 7): the
+course/__init__.py left out, no --data-dir outside the course, python train_ddp.py without torchrun.
 """
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +19,8 @@ import torch
 
 from course import ROOT, SCRIPTS
 
-COPIED = ("__init__.py", "data.py", "errors.py", "models.py")  # what a learner copies beside the script
+TAKE_HOME = ("train_single.py", "train_ddp.py", "train_fsdp.py", "train_flowers.py", "train_resumable.py",
+             "train_dp.py")
 TINY_FLOWERS = 8  # images per class: 40 images, 32 training, 8 validation
 
 RUNS = {  # script: (its arguments, the checkpoint it writes, relative to the project)
@@ -28,15 +32,31 @@ RUNS = {  # script: (its arguments, the checkpoint it writes, relative to the pr
 }
 
 
-def project(tmp_path, script):
-    """An empty folder holding the script and the course files a learner would copy with it, and nothing else."""
+def files_to_copy(script):
+    """The course files the script's own docstring (its --help) tells a learner to copy beside it."""
+    doc = (SCRIPTS / script).read_text().split('"""')[1]
+    return re.findall(r"course/\w+\.py", doc)
+
+
+def project(tmp_path, script, init=True):
+    """An empty folder holding the script and the course files its docstring names, and nothing else."""
     root = tmp_path / "project"
     (root / "course").mkdir(parents=True)
     shutil.copy(SCRIPTS / script, root / script)
-    for name in COPIED[1:]:
-        shutil.copy(SCRIPTS / "course" / name, root / "course" / name)
-    (root / "course" / "__init__.py").write_text("")  # empty: the course's own __init__ is not copied
+    for name in files_to_copy(script):
+        if name == "course/__init__.py":
+            if init:
+                (root / name).write_text("")  # empty, as the docstring says: the course's own is not copied
+        else:
+            shutil.copy(SCRIPTS / name, root / name)
     return root
+
+
+def environment():
+    """No course setting; the course importable (as where it is installed); bytecode caching on, so that
+    __pycache__ records the imports."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COURSE_", "PYTHONDONTWRITEBYTECODE"))}
+    return {**env, "PYTHONPATH": str(SCRIPTS)}
 
 
 def tiny_flowers(root):
@@ -47,24 +67,31 @@ def tiny_flowers(root):
     return root
 
 
+def test_every_take_home_script_names_the_same_four_files_to_copy():
+    """The list a learner follows is in each script's docstring (its --help) and in the README, alike."""
+    expected = ["course/__init__.py", "course/data.py", "course/models.py", "course/train_utils.py"]
+    for script in TAKE_HOME:
+        if script != "train_dp.py":  # train_dp.py: "with the same files as train_single.py"
+            assert files_to_copy(script) == expected, script
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{name}`" in readme for name in expected)
+
+
 @pytest.mark.parametrize("script", list(RUNS))
 def test_a_take_home_script_runs_copied_alone(script, datasets, tmp_path):
     root = project(tmp_path, script)
     args, checkpoint = RUNS[script]
     data = tiny_flowers(tmp_path / "flowers") if script == "train_flowers.py" else datasets / "mnist"
-    # No course setting, no extra import path; bytecode caching on, so that __pycache__ records the imports.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COURSE_", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"))}
     nproc = 1 if script == "train_single.py" else 2  # train_single.py is one process, under torchrun or not
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     result = subprocess.run([*torchrun, script, *args, "--data-dir", str(data), "--run-dir", "runs/mine"],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False)
+                            cwd=root, env=environment(), capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
 
-    # Only the copy's course modules were imported: the copy's course/ shadows the installed package (which has
-    # course.hardware, course.runlog, ...), and Python cached each module it imported from the copy.
+    # Only the copy's course modules were imported, though the course's own (which has course.hardware,
+    # course.runlog, ...) was importable too: Python cached each module it imported from the copy.
     imported = {p.name.split(".")[0] for p in (root / "course" / "__pycache__").glob("*.pyc")}
-    assert imported <= {name.removesuffix(".py") for name in COPIED}, imported
-    assert {"data", "models", "errors"} <= imported, imported
+    assert imported == {"__init__", "data", "models", "train_utils"}, imported
 
     # What it wrote: relative to the working directory (the project), rank 0 only, nothing in the course folder.
     run_dir = root / "runs" / "mine"
@@ -111,17 +138,54 @@ def ddp_learns(m, result, state):
 LEARNS = {"train_single.py": single_learns, "train_ddp.py": ddp_learns}
 
 
+def test_a_copy_without_course_init_is_refused_not_shadowed(tmp_path):
+    """Without course/__init__.py the learner's course/ is a namespace package, which loses to the course
+    importable from elsewhere: Python would import the course's data.py, not the learner's. The script stops in
+    one line saying which file to create."""
+    root = project(tmp_path, "train_single.py", init=False)
+    result = subprocess.run([sys.executable, "train_single.py", "--help"], cwd=root, env=environment(),
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and result.stdout == "", result.stdout[-1000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert str(root / "course" / "__init__.py") in result.stderr
+
+
+@pytest.mark.parametrize("script", ["train_single.py", "train_flowers.py"])
+def test_outside_the_course_a_missing_data_dir_is_named(script, tmp_path):
+    """Copied alone, there is no generated data (and no `make data`): the one error line names --data-dir."""
+    root = project(tmp_path, script)
+    result = subprocess.run([sys.executable, script], cwd=root, env=environment(), capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: no ") and "--data-dir" in result.stderr
+    assert "make data" not in result.stderr and not (root / "weights").exists()
+
+
+def test_train_ddp_without_torchrun_runs_as_one_process(datasets, tmp_path):
+    """`python train_ddp.py` (no torchrun, so no RANK): a job of one process, as nanoGPT's train.py does, not
+    KeyError: 'RANK'."""
+    root = project(tmp_path, "train_ddp.py")
+    result = subprocess.run([sys.executable, "train_ddp.py", "--max-steps", "5", "--epochs", "1", "--data-dir",
+                             str(datasets / "mnist"), "--run-dir", "runs/python"], cwd=root, env=environment(),
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = json.loads((root / "runs" / "python" / "metrics.json").read_text())
+    assert (m["world_size"], m["backend"], m["steps"], m["global_batch"]) == (1, "gloo", 5, 64)
+    assert "rank 0 (local rank 0) on cpu" in result.stdout and (root / "weights" / "train_ddp.pt").is_file()
+
+
 def test_the_copied_course_files_import_nothing_else_of_the_course():
-    """course/data.py, models.py and errors.py import torch, torchvision, numpy, PIL and the standard library only."""
+    """course/data.py, models.py and train_utils.py import torch, torchvision, numpy, PIL and the standard library
+    only; the take-home scripts import nothing of the course but them."""
     import ast
 
-    for name in COPIED[1:]:
+    for name in ("data.py", "models.py", "train_utils.py"):
         tree = ast.parse((SCRIPTS / "course" / name).read_text())
         modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         modules |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
         assert not {m for m in modules if m == "course" or m.startswith("course.")}, (name, modules)
-    for script in RUNS:
+    for script in TAKE_HOME:
         tree = ast.parse((SCRIPTS / script).read_text())
         course = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                   and node.module and node.module.startswith("course")}
-        assert course <= {"course.data", "course.models", "course.errors"}, (script, course)
+        assert course <= {"course.data", "course.models", "course.train_utils"}, (script, course)

@@ -72,7 +72,7 @@ def test_diff_single_to_ddp_is_exactly_the_five_steps():
     diff = script_diff("train_single.py", "train_ddp.py")
     assert diff.steps == {1, 2, 3, 4, 5} and not diff.unmarked, diff.summary()
     ddp = (SCRIPTS / "train_ddp.py").read_text()
-    assert 'rank = int(os.environ["RANK"])' in ddp and 'local_rank = int(os.environ["LOCAL_RANK"])' in ddp
+    assert 'rank = int(os.environ.get("RANK", "0"))' in ddp and 'local_rank = int(os.environ.get("LOCAL_RANK", "0"))' in ddp
     assert "sampler.set_epoch(epoch)" in ddp and "model.module.state_dict()" in ddp
     # Everything detectable is checked before the process group starts.
     for check in ("build_datasets(", "check_writable(args.checkpoint)"):
@@ -168,6 +168,46 @@ def test_unwritable_checkpoint_fails_at_start_naming_the_path(datasets, tmp_path
         assert "training samples" not in out, "refused before training starts"
         if name.startswith("file_as"):
             assert f"{tmp_path / 'a_file'} is a file, not a folder" in err and "File exists" not in err, err
+
+
+@pytest.mark.parametrize("script", ["train_single.py", "train_ddp.py", "train_dp.py", "train_resumable.py",
+                                    "train_fsdp.py", "train_flowers.py"])
+def test_a_checkpoint_path_that_is_a_folder_or_below_a_file_is_refused_before_training(script, datasets, tmp_path):
+    """issue 35 item 3: train_ddp.py trained a full epoch into --checkpoint weights/ (a folder), then crashed with
+    IsADirectoryError. Every script that writes a checkpoint refuses it before training, in one line; run here
+    as one process with plain python (the DDP scripts' single-process path)."""
+    (tmp_path / "a_file").write_text("not a folder")
+    if script == "train_flowers.py":  # --checkpoint-dir holds last.pt and best.pt
+        (tmp_path / "ckpts" / "last.pt").mkdir(parents=True)
+        cases = {"folder": ["--checkpoint-dir", tmp_path / "ckpts"], "file": ["--checkpoint-dir", tmp_path / "a_file"]}
+        named = {"folder": tmp_path / "ckpts" / "last.pt", "file": tmp_path / "a_file"}
+        bounded = ["--epochs", 1, "--max-steps", 1, "--image-size", 32]
+    else:  # train_fsdp.py's --checkpoint is a folder (DCP): below a file it cannot be
+        folder = tmp_path / ("ckpt/.metadata" if script == "train_fsdp.py" else "ckpt")
+        folder.mkdir(parents=True)
+        cases = {"folder": ["--checkpoint", tmp_path / "ckpt"], "file": ["--checkpoint", tmp_path / "a_file" / "m.pt"]}
+        named = {"folder": folder, "file": tmp_path / "a_file"}
+        bounded = ["--epochs", 1, "--max-steps", 2]
+    procs = {case: python(script, *args, *bounded, "--run-dir", tmp_path / f"run_{case}", wait=False)
+             for case, args in cases.items()}
+    for case, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 2, (case, err[-2000:])
+        assert err.count("\n") == 1 and err.startswith("error: cannot write the checkpoint"), (case, err)
+        assert str(named[case]) in err and "epoch" not in out, (case, err, out)
+    assert not (tmp_path / "run_folder" / "metrics.json").exists()
+
+
+def test_train_single_started_as_several_processes_stops_in_one_line(datasets, tmp_path):
+    """issue 35 item 7: torchrun --nproc-per-node=2 train_single.py trained two models into one checkpoint without
+    a word. Started as torchrun starts 2 ranks, rank 0 says the script is not distributed; both exit 2."""
+    ranks = [python("train_single.py", "--max-steps", 2, "--checkpoint", tmp_path / "m.pt", "--run-dir", tmp_path,
+                    env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+                    wait=False) for r in (0, 1)]
+    (out0, err0), (out1, err1) = (proc.communicate(timeout=180) for proc in ranks)
+    assert [proc.returncode for proc in ranks] == [2, 2], (err0[-2000:], err1[-2000:])
+    assert err0.count("\n") == 1 and "train_single.py is not distributed" in err0 and "train_ddp.py" in err0
+    assert err1 == "" and out0 + out1 == "" and not (tmp_path / "m.pt").exists()
 
 
 def test_short_run_from_another_cwd_logs_a_loss_and_writes_relative_to_it(datasets, tmp_path):

@@ -4,6 +4,7 @@ Used by the training scripts (import only what a training process needs):
 - ``course.hardware``    which device and backend a process uses: the one rule, for every accelerator
 - ``course.data``        load the datasets (generated, or real ones via COURSE_*_DIR)
 - ``course.models``      the MLP, a small CNN and ResNet-18
+- ``course.train_utils`` what the take-home scripts share that is not about training (copied with them)
 - ``course.runlog``      TensorBoard events + metrics.json, written by rank 0, never destroying a previous run
 - ``course.checkpoint``  atomic save, safe load, writable check
 - ``course.measure``     steady-state step timing (scripts) and interleaved comparisons (notebooks)
@@ -25,6 +26,7 @@ Used by notebooks and tests:
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
 - ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
 - ``course.scriptdiff``  the diff between two scripts, checked for step markers
+- ``course.rounds``      configurations of a script launched in alternating rounds (notebooks 01, 03)
 - ``course.timeline``    per-rank timelines and overlap from torch.profiler traces (notebook 05)
 - ``course.machine_report`` (00), ``course.ring_view`` (02), ``course.pitfall_jobs`` and ``course.spawn_capture``
   (04, 04b), ``course.scaling_model`` (05), ``course.flight_recorder`` (06), ``course.capstone_figures`` (07),
@@ -34,6 +36,7 @@ Used by notebooks and tests:
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
 - ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
+- ``course.times``       the course's times, one source (``notebooks/times.json``) for the README and every header
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
 - ``course.bench_launcher`` / ``course.bench_noise``  benchmarks (``make bench``): the launcher's overhead, and no
   faster/slower verdict for equal work on a busy machine

@@ -1,52 +1,62 @@
-"""Helpers of notebook 07 (the capstone) that are not its lesson: loading weights a learner names (predict.py),
-reading image summaries back from event files, and the results table. (The image check and denormalize live
-in course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
+"""Helpers of notebook 07 (the capstone) that are not its lesson: launching train_flowers.py with rank 0's summary
+lines shown, a folder of images for predict.py, reading image summaries back from event files, and the results
+table. (load_weights lives in course.train_utils, beside train_flowers.py; the image check and denormalize in
+course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
 
-    load_weights("weights/train_flowers/best.pt", model)   # CourseError naming the file if it does not fit
+    metrics = launch_flowers(run_dir, checkpoint_dir, 2, ["--epochs", 2], threads=1)  # prints rank 0's epoch lines
+    folder, truth = predict_demo(image_folder, "runs/07_capstone_flowers/predict_demo")  # 8 validation images
     images = read_images("runs/07_capstone_flowers/np2")   # {tag: [(step, HxWx3 uint8 array), ...]}
+    print(format_table(results_table({"np1": m1, "np2": m2}, target=0.75), 0.75))
 """
 
 from __future__ import annotations
 
 import io
+import shutil
 
 import numpy as np
-import torch
 from PIL import Image
-from torch import nn
 
 from course import in_repo
-from course.checkpoint import read_checkpoint
-from course.data import check_images, denormalize  # noqa: F401 (their home is course.data; kept importable here)
-from course.errors import CourseError
+from course.data import check_images, denormalize, split_indices  # noqa: F401 (the first two: importable here too)
 from course.models import RESNETS, resnet  # noqa: F401 (their home is course.models)
 
+SUMMARY = ("train_flowers:", "epoch", "note:", "resumed", "backbone", "done:")  # rank 0's lines worth showing
 
-def load_weights(path, model: nn.Module, device="cpu", skip: tuple[str, ...] = (), state=None) -> dict:
-    """Load the weights in ``path`` (or its already read contents ``state``) into ``model``; return the contents.
 
-    The file may be a plain state_dict (e.g. torchvision's ImageNet weights saved with torch.save) or a
-    checkpoint dict with a "model" entry. Tensors whose names start with a prefix in ``skip`` (e.g. "fc."
-    for a head that is replaced) are neither loaded nor required. Anything else that does not fit (a corrupt
-    file, pickled code that weights_only=True refuses, another architecture) raises CourseError naming the
-    file and the first tensor that differs: one line, not a traceback.
-    """
-    if state is None:
-        state = read_checkpoint(path, device)
-    weights = state.get("model", state) if isinstance(state, dict) else None
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CourseError(f"{path} holds no state_dict (a dict of tensors, or a checkpoint with a 'model' entry)")
-    weights = {k.removeprefix("module."): v for k, v in weights.items() if not k.startswith(skip)}
-    mine = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)}
-    differ = sorted(set(mine) ^ set(weights)) + [k for k in mine if k in weights and mine[k].shape != weights[k].shape]
-    if differ:
-        k = differ[0]
-        shape = lambda d: tuple(d[k].shape) if k in d else "absent"
-        name = getattr(model, "course_name", type(model).__name__)
-        raise CourseError(f"{path} does not fit a {name} ({len(differ)} tensors differ; first {k}: "
-                          f"{shape(weights)} in the file, {shape(mine)} in the model): another architecture?")
-    model.load_state_dict(weights, strict=not skip)
-    return state if isinstance(state, dict) and "model" in state else {"model": state}
+def launch_flowers(run_dir, checkpoint_dir, nproc: int, args, *, backend: str = "auto", threads: int | None = None,
+                   timeout: float = 900) -> dict:
+    """train_flowers.py on ``nproc`` processes through course.launcher (a timeout, no process left behind, the failing
+    rank's error), printing rank 0's summary lines only (no progress bars); its metrics.json. ``threads``: the
+    OMP_NUM_THREADS of each process (None: the launcher's)."""
+    from course.launcher import launch
+
+    def on_line(line):
+        text = line.removeprefix("[rank0]:").strip()
+        if line.startswith("[rank0]:") and text.startswith(SUMMARY) and "%|" not in text:  # "%|": a progress bar
+            print(text)
+
+    result = launch("train_flowers.py", nproc, [*map(str, args), "--checkpoint-dir", str(checkpoint_dir)],
+                    backend=backend, run_dir=run_dir, timeout=timeout, quiet=True, on_line=on_line,
+                    env={"OMP_NUM_THREADS": str(threads)} if threads else None)
+    print(f"[{nproc} process(es), {result.wall_time:.0f} s; {in_repo(run_dir).name}/metrics.json]")
+    return result.metrics
+
+
+def predict_demo(folder, out, n: int = 8) -> tuple:
+    """(out, {file name: true class}): ``n`` validation images of the ImageFolder ``folder``, spread over the
+    classes, copied into the fresh folder ``out`` under names that carry their class."""
+    out = in_repo(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    _, val_indices = split_indices(len(folder))
+    truth = {}
+    for i in val_indices[:: len(val_indices) // n][:n]:
+        path, label = folder.samples[i]
+        name = f"{i:04d}_{folder.classes[label]}.jpg"
+        shutil.copy(path, out / name)
+        truth[name] = folder.classes[label]
+    return out, truth
 
 
 def read_images(run_dir, tags=None) -> dict[str, list[tuple[int, np.ndarray]]]:

@@ -3,43 +3,26 @@
     check_writable(path)           # at start-up: CourseError naming the real cause (e.g. a parent is a file)
     save_checkpoint(state, path)   # atomic; mode from the umask, like torch.save; stale temporaries removed
     read_checkpoint(path, device)  # a file a learner names: corrupt, truncated or code-running -> one line
+
+Relative paths are taken from the course's root folder. check_writable and read_checkpoint are the take-home
+scripts' own (course.train_utils), applied to that path.
 """
 
 import os
-import pickle
-import pickletools
 import re
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
 
-from course import in_repo
-from course.errors import CourseError
-
-
-def _file_in_parents(path: Path) -> Path | None:
-    """The first existing parent of ``path`` that is a file, not a folder (mkdir would say "File exists")."""
-    return next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), None)
+from course import in_repo, train_utils
+from course.train_utils import pickled_calls  # noqa: F401 (its home is course.train_utils)
 
 
 def check_writable(path: str | Path) -> Path:
     """Fail at start-up, naming the path, rather than after an epoch of training: the folder of ``path``
-    is created if needed and must accept a new file."""
-    path = in_repo(path)
-    blocker = _file_in_parents(path)
-    if blocker is not None:
-        raise CourseError(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
-    except OSError as error:
-        raise CourseError(f"cannot write the checkpoint {path}: {error.strerror or error}") from None
-    if path.is_dir():
-        raise CourseError(f"cannot write the checkpoint {path}: it is a folder")
-    return path
+    is created if needed and must accept a new file; ``path`` must not be a folder."""
+    return train_utils.check_writable(in_repo(path))
 
 
 def _umask() -> int:
@@ -95,48 +78,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> dic
     return torch.load(in_repo(path), map_location=device, weights_only=True)
 
 
-def pickled_calls(path: str | Path, limit: int = 1 << 20) -> list[str]:
-    """The functions or classes beyond torch's weights_only allowlist that a plain (legacy, non-zip) pickle file
-    would call when loaded, read without loading it; [] for a zip checkpoint or a file that is no pickle."""
-    try:
-        data = Path(path).read_bytes()[:limit]
-    except OSError:
-        return []
-    calls, strings = [], []
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                strings.append(arg)
-            elif op.name == "GLOBAL":
-                calls.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                calls.append(f"{strings[-2]}.{strings[-1]}")
-    except (ValueError, EOFError, pickle.UnpicklingError, UnicodeDecodeError, IndexError):
-        pass
-    try:  # what torch's weights_only unpickler allows (tensors, OrderedDict, ...) builds data, runs no code
-        from torch._weights_only_unpickler import _get_allowed_globals
-        allowed = set(_get_allowed_globals())
-    except (ImportError, AttributeError):  # a private name: if it moves, judge by module name
-        allowed = set()
-    return [c for c in calls if c not in allowed and not (not allowed and c.startswith(("torch.", "collections.")))]
-
-
 def read_checkpoint(path: str | Path, device: torch.device | str = "cpu"):
     """load_checkpoint, for files a learner names: one that is corrupt, truncated or asks to run code raises
     CourseError naming it (one line, not a traceback; torch's warnings about the file are not shown).
     Whether it fits the model is the caller's check."""
-    try:
-        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4 in the checkpoint", once per rank
-            warnings.simplefilter("ignore", UserWarning)
-            return load_checkpoint(path, device)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError) as error:
-        # (IndexError: torch's weights_only unpickler reading past the end of a truncated legacy file)
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        code = [line.split("GLOBAL ", 1)[1].split(" ")[0] for line in lines if "GLOBAL " in line]
-        code = code or pickled_calls(in_repo(path))  # a legacy pickle: torch only says "Unsupported operand"
-        if code:
-            raise CourseError(f"checkpoint {path} is not a plain tensor checkpoint: loading it would run code "
-                              f"({code[0]}), so it was refused; load it with weights_only=False only if you "
-                              "trust whoever made it") from None
-        detail = next((line for line in lines if "Unsupported" in line), lines[0]).split(". ")[0]
-        raise CourseError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {detail})") from None
+    return train_utils.read_checkpoint(in_repo(path), device)

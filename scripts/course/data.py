@@ -20,6 +20,11 @@ from torch.utils.data import Dataset, TensorDataset
 from torchvision import datasets, transforms
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"  # the course's data/ (where `make data` writes)
+# Copied into a learner's project (without course/datagen.py beside it) there is no generated data: a dataset
+# must be named (--data-dir, or COURSE_<NAME>_DIR).
+IN_COURSE = (Path(__file__).parent / "datagen.py").exists()
+WHAT = {"flowers": "a folder of class subfolders of images",
+        "mnist": "a folder with mnist.npz or torchvision's MNIST files"}
 MARKER = ".complete"  # written last by `make data`: a folder without it is half generated
 GENERATING = ".generating"  # written first by `make data`, removed with MARKER's arrival
 DATASETS = ("flowers", "mnist")
@@ -103,6 +108,9 @@ def _resolve_dir(name: str, data_dir) -> tuple[Path, str]:
     env = os.environ.get(f"COURSE_{name.upper()}_DIR") or None  # empty means unset
     if env is not None:
         return Path(env).expanduser(), "env"
+    if not IN_COURSE:
+        raise DatasetError(f"no {name} dataset given: pass --data-dir PATH, {WHAT[name]} "
+                           f"(or set COURSE_{name.upper()}_DIR)")
     return DATA_DIR / name, "default"
 
 
@@ -124,7 +132,8 @@ def flower_transforms(image_size: int):
 
 
 def _flowers(root: Path, origin: str, image_size: int):
-    hint = "run `make data`, or point --data-dir (COURSE_FLOWERS_DIR) at a flower_photos-style folder"
+    hint = "point --data-dir (COURSE_FLOWERS_DIR) at a flower_photos-style folder"
+    hint = f"run `make data`, or {hint}" if IN_COURSE else hint
     if not root.is_dir():
         raise DatasetError(f"flowers folder {root} does not exist; {hint}.")
     _check_generated(root, origin)
@@ -205,9 +214,7 @@ def build_datasets(name: str, data_dir: str | Path | None = None,
     COURSE_MNIST_DIR downloads real MNIST into a folder without them (one process per machine does).
     Problems raise DatasetError with a one-sentence fix.
     """
+    if name not in DATASETS:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
     root, origin = _resolve_dir(name, data_dir)
-    if name == "flowers":
-        return _flowers(root, origin, image_size)
-    if name == "mnist":
-        return _mnist(root, origin)
-    raise DatasetError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+    return _flowers(root, origin, image_size) if name == "flowers" else _mnist(root, origin)

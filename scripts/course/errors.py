@@ -9,21 +9,16 @@ course.data.DatasetError (a missing dataset; course.data imports nothing of the 
 CourseError) makes rank 0 print ``error: <message>`` and every rank exit with status 2; the other ranks
 exit quietly, so the message appears once.
 
-``@record`` is torch's ``@record`` (a failing rank's traceback reaches torchrun's report) with one fix:
-the error file appears complete or not at all. torch writes it in place; when torchrun stops a rank with
-SIGTERM in the middle of that write (a second rank failing while torchrun ends the job or restarts it),
-torchrun reads an empty file and itself dies with a JSONDecodeError instead of restarting.
+``CourseError`` and ``record`` (torch's ``@record`` with an atomic error file) live in course.train_utils, which
+the take-home scripts import and a learner copies; they are importable from here too.
 """
 
-import os
 import sys
 from contextlib import contextmanager
 
+from course.train_utils import CourseError, record  # noqa: F401 (their home is course.train_utils)
+
 EXIT_CODE = 2  # what argparse uses for bad input
-
-
-class CourseError(Exception):
-    """A problem with the learner's input or environment; the message says what and where."""
 
 
 @contextmanager
@@ -42,28 +37,3 @@ def _dataset_errors() -> tuple[type, ...]:
     """course.data's DatasetError, if course.data is loaded (if it is not, nothing can have raised one)."""
     data = sys.modules.get("course.data")
     return (data.DatasetError,) if data is not None else ()
-
-
-def record(main):
-    """Like ``torch.distributed.elastic.multiprocessing.errors.record``, with an atomic error file."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-    from torch.distributed.elastic.multiprocessing.errors import record as torch_record
-
-    class AtomicErrorHandler(ErrorHandler):  # the documented way to customise it: subclass ErrorHandler
-        writing = False
-
-        def _get_error_file_path(self):
-            path = super()._get_error_file_path()
-            return f"{path}.partial" if path and self.writing else path
-
-        def record_exception(self, e):
-            final = self._get_error_file_path()
-            self.writing = True
-            try:
-                super().record_exception(e)
-            finally:
-                self.writing = False
-            if final and os.path.exists(f"{final}.partial"):
-                os.replace(f"{final}.partial", final)
-
-    return torch_record(main, error_handler=AtomicErrorHandler())

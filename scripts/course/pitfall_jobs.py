@@ -2,7 +2,8 @@
 
 A failing job is shown by its key lines (the symptom, and the failing rank's own error); its whole
 output is one click away in a collapsed block (``course.launcher.show_report``). Also here: the
-``course.measure.Comparison`` a job saved in its metrics.json, and the environment of a simulated node.
+``course.measure.Comparison`` a job saved in its metrics.json, the environment of a simulated node, and the
+readers of the lines the pitfall scripts print (so that the notebooks' cells carry no regular expressions).
 """
 
 import re
@@ -17,18 +18,23 @@ TAGS = re.compile(r"^(\[[^\]]*\]:? ?)+")  # the [rank0]: / [node 1] prefixes of 
 SILENT = {"quiet": True, "on_line": lambda line: None}  # launch() options: keep the output, print nothing
 
 
-def symptom(text: str, *needles: str, width: int = 220, limit: int = 8) -> list[str]:
-    """Print (and return) the lines of a job's output that contain any of the needles: at most `limit`,
-    cut at `width` characters, without the copies that torchrun's final report repeats."""
+def key_lines(text: str, *needles: str, label: str = "RESULT", width: int = 220, limit: int = 8) -> list[str]:
+    """Print under ``label`` (and return) the lines of a job's output that contain any of the needles: at most
+    `limit`, cut at `width` characters, without the copies that torchrun's final report repeats."""
     found = [line for line in text.splitlines() if any(n in line for n in needles)]
     tagged = {TAGS.sub("", line).strip() for line in found if TAGS.match(line)}
     found = [line for line in found if TAGS.match(line) or line.strip() not in tagged]
     found = list(dict.fromkeys(found))  # each distinct line once
-    print("SYMPTOM:", *[line if len(line) <= width else line[:width] + " [...]" for line in found[:limit]],
+    print(f"{label}:", *[line if len(line) <= width else line[:width] + " [...]" for line in found[:limit]],
           sep="\n  ")
     if len(found) > limit:
         print(f"  ... {len(found) - limit} more such lines in the full output")
     return found
+
+
+def symptom(text: str, *needles: str, **options) -> list[str]:
+    """``key_lines`` of a job that shows a pitfall, labelled SYMPTOM."""
+    return key_lines(text, *needles, label="SYMPTOM", **options)
 
 
 def report(result, *needles: str, **options) -> list[str]:
@@ -68,3 +74,29 @@ def setting() -> str:
     chosen = plan(2)
     return (f"{'quick' if course.QUICK else 'full'} mode; {accelerator_count()} GPU(s), {cpu_cores()} CPU cores; "
             f"2 ranks use {chosen.backend} on {chosen.device}" + (" (CPU numbers below)" if chosen.device == "cpu" else ""))
+
+
+# ---------------------------------------------------------------- what the pitfall scripts print, read back
+
+def device_reports(output: str) -> list[tuple[int, str, str, str]]:
+    """pitfall_device.py's per-rank check: (rank, backend, device of the parameters, current GPU index)."""
+    found = re.findall(r"rank (\d) \(local rank \d, (\w+)\): parameters on ([^,\s]+), current GPU index (.+)", output)
+    return sorted((int(rank), backend, device, current.strip()) for rank, backend, device, current in found)
+
+
+def first_indices(output: str, seed: int = 0, rank: int = 0) -> dict[str, list[str]]:
+    """pitfall_set_epoch.py: the first indices one rank got in each epoch, "with" and "without" set_epoch."""
+    found = re.findall(rf"\[(with|without) set_epoch, seed {seed}\] rank {rank} epoch \d+: first indices (\[.*?\])",
+                       output)
+    return {case: [indices for c, indices in found if c == case] for case in ("without", "with")}
+
+
+def join_weight(output: str) -> float:
+    """pitfall_uneven.py --fix join: how much of its own gradient DDP applied on the rank with an extra batch."""
+    return float(re.search(r"DDP applied ([\d.]+) x", output)[1])
+
+
+def print_rounds(line: str) -> None:
+    """An on_line for launch(): show only a job's "round N: ..." progress lines, without their rank tag."""
+    if re.search(r"round \d+:", line):
+        print(TAGS.sub("", line), end="")

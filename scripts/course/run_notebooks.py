@@ -3,6 +3,7 @@
     python -m course.run_notebooks                 # every notebooks/*.ipynb
     python -m course.run_notebooks 00 03           # those whose name starts so
     COURSE_QUICK=1 python -m course.run_notebooks  # the quick course
+    ... --record-times                             # and store the times in notebooks/times.json (course.times)
 
 Executed copies go to build/notebooks/ (git-ignored), signed so that JupyterLab trusts them and
 renders their inline TensorBoard. The summary's figures are read from the metrics.json files
@@ -77,6 +78,9 @@ def key_figures(metrics: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefixes", nargs="*", help="run only notebooks whose name starts with one of these")
+    parser.add_argument("--record-times", action="store_true",
+                        help="store each notebook's time in notebooks/times.json (quick or full mode, as run) and "
+                             "rewrite the README's table and the notebooks' Time lines from it")
     args = parser.parse_args(argv)
     notebooks = sorted(p for p in NOTEBOOKS.glob("*.ipynb")
                        if not args.prefixes or p.name.startswith(tuple(args.prefixes)))
@@ -99,6 +103,15 @@ def main(argv=None) -> int:
     failed = [name for name, ok, *_ in rows if not ok]
     print(f"{len(rows) - len(failed)} of {len(rows)} notebooks ok in {time.monotonic() - total:.0f} s"
           + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if args.record_times:
+        from course import times
+        from course.quiz import key_mode
+
+        command = (f"{'COURSE_QUICK=1 ' if QUICK else ''}{'COURSE_ANSWER_KEY=1 ' if key_mode() else ''}"
+                   f"python -m course.run_notebooks {' '.join(args.prefixes)}")
+        run = times.record([(name, ok, seconds) for name, ok, seconds, _ in rows], QUICK, command.strip())
+        print(f"times recorded as run {run!r} in {times.TIMES.relative_to(ROOT)}; rewrote: "
+              + (", ".join(times.apply()) or "nothing"))
     return 1 if failed else 0
 
 

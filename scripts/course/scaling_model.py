@@ -25,6 +25,7 @@ class StepModel:
     t_comm: float  # s: all-reduce time per step, from the trace of N processes
     overlap: float  # f: share of that all-reduce time during which backward was computing
     threads: tuple[int, int] = (1, 1)  # CPU threads of the one process, and of each of the N processes
+    runs: tuple[int, int] = (1, 1)  # jobs of 1 and of N processes the medians above come from
 
     @property
     def compute(self) -> float:
@@ -51,7 +52,11 @@ class StepModel:
     def report(self, cpu_shared: bool) -> list[str]:
         """What the model says, and where it misses, the piece it cannot see (sentences from the numbers)."""
         ms = 1e3
-        lines = [(f"{self.n} processes: measured {self.measured:.2f}x, predicted {self.predicted():.2f}x "
+        one, many = self.runs
+        rests_on = f"{one} run of 1 process, {many} of {self.n}" if one == many == 1 else \
+            f"medians of {one} run(s) of 1 process and {many} of {self.n}"
+        lines = [(f"{self.n} processes: measured {self.measured:.2f}x ({rests_on}; whether it is a speed-up is "
+                  f"the verdict's to say), predicted {self.predicted():.2f}x "
                   f"(f = 0: {self.predicted(0):.2f}x; at most {self.n} by construction)"),
                  (f"  pieces: T_sync - T_no_sync = {(self.t_sync - self.t_no_sync) * ms:.0f} ms measured; "
                   f"(1 - f) * T_comm = (1 - {self.overlap:.2f}) * {self.t_comm * ms:.0f} ms = "

@@ -6,6 +6,7 @@
     d.unmarked             # hunks that change more than imports and carry no marker: should be []
 """
 
+import ast
 import difflib
 import re
 from dataclasses import dataclass
@@ -53,9 +54,33 @@ def _path(name: str | Path) -> Path:
     return path if path.exists() else SCRIPTS / name
 
 
-def _imports_only(hunk: str) -> bool:
-    changed = [line[1:].strip() for line in hunk.splitlines()[1:] if line[:1] in "+-"]
-    return all(not line or line.startswith(("import ", "from ")) for line in changed)
+def _import_lines(lines: list[str]) -> set[int]:
+    """The 1-based numbers of the lines that belong to an import statement (a parenthesized one spans several)."""
+    tree = ast.parse("\n".join(lines))
+    return {n for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for n in range(node.lineno, node.end_lineno + 1)}
+
+
+def _hunks(diff: list[str], imports_a: set[int], imports_b: set[int]) -> list[tuple[str, bool]]:
+    """(text, changes only imports) for each hunk of a unified diff (headers ``---``/``+++`` skipped)."""
+    hunks = []
+    for line in diff[2:]:
+        if line.startswith("@@"):
+            old, new = (int(part.split(",")[0]) for part in re.findall(r"[-+](\d+(?:,\d+)?)", line)[:2])
+            hunks.append([[line], True, old, new])
+            continue
+        hunk = hunks[-1]
+        hunk[0].append(line)
+        if line.startswith("-"):
+            hunk[1] &= hunk[2] in imports_a
+            hunk[2] += 1
+        elif line.startswith("+"):
+            hunk[1] &= hunk[3] in imports_b
+            hunk[3] += 1
+        else:
+            hunk[2] += 1
+            hunk[3] += 1
+    return [("\n".join(text), only_imports) for text, only_imports, _, _ in hunks]
 
 
 def _body(lines: list[str]) -> list[str]:
@@ -79,10 +104,11 @@ def script_diff(before: str | Path, after: str | Path, marker: str = r"DDP step 
     lines = list(difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), a.name, b.name,
                                       lineterm="", n=context))
     # Markers are checked in the code below the header; the header (what the script is) always changes.
-    body = list(difflib.unified_diff(_body(a.read_text().splitlines()), _body(b.read_text().splitlines()),
-                                     lineterm="", n=context))
-    hunks = [h for h in "\n".join(body[2:]).split("\n@@") if h.strip()]
+    body_a, body_b = _body(a.read_text().splitlines()), _body(b.read_text().splitlines())
+    body = list(difflib.unified_diff(body_a, body_b, lineterm="", n=context))
+    hunks = _hunks(body, _import_lines(body_a), _import_lines(body_b))
     pattern = re.compile(marker)
-    steps = {int(m.group(1)) for hunk in hunks for m in pattern.finditer(hunk) if m.groups()}
-    unmarked = [h for h in hunks if not pattern.search(h) and not _imports_only(h)]
+    steps = {int(m.group(1)) for hunk, _ in hunks for m in pattern.finditer(hunk) if m.groups()}
+    unmarked = [hunk for hunk, only_imports in hunks if not pattern.search(hunk) and not only_imports]
+    hunks = [hunk for hunk, _ in hunks]
     return ScriptDiff(a.name, b.name, lines, hunks, steps, unmarked)

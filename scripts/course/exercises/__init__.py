@@ -26,7 +26,11 @@ To add an exercise (say key "7", script ``ex7_tensor.py``, in notebook ``10_tens
 3. put the stub in the notebook's ``%%writefile ../scripts/ex7_tensor.py`` cell (gaps as
    ``...  # TODO ...``, one per line marked TODO) and the reference solution in
    ``course/exercises/solutions/ex7_tensor.py``; the tests hold them equal outside the TODO lines and
-   run the solution through the check.
+   run the solution through the check;
+4. give the module ``CONFIGS = (CONFIG, another)`` (the tests run the check on both), and add its realistic
+   mistakes and correct alternatives to ``course/exercises/mutations/`` (the tests hold each to its
+   diagnosis; ``python -m course.bench_checker`` measures the checker's false PASS, false FAIL and
+   first-hint rates over them).
 """
 
 import importlib
@@ -37,7 +41,7 @@ from pathlib import Path
 
 from course import SCRIPTS
 from course.exercises import table
-from course.exercises.hints import level
+from course.exercises.hints import filled, level
 from course.exercises.reference import NPROC
 from course.exercises.results import (
     NOTEBOOK,
@@ -111,8 +115,9 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
         else:
             seen = entry["seen"][verdict.diagnosis] = entry["seen"].get(verdict.diagnosis, 0) + 1
             rung = level(seen, entry["extra_hints"].get(verdict.diagnosis, 0), len(hints))
-        hint_text = hints[rung - 1]
+        hint_text = filled(hints[rung - 1], verdict.facts.get("detail"))
     entry.update(status=verdict.status, diagnosis=verdict.diagnosis, symptom=verdict.symptom,
+                 detail=verdict.facts.get("detail") or "",
                  seconds=round(seconds, 1), when=datetime.now().isoformat(timespec="seconds"),
                  script=rel(path), hint_level=rung, solutions=bool(note))
     if verdict.status == "pass":
@@ -148,7 +153,7 @@ def hint(exercise: str | int, results_file=None) -> str:
         entry["hint_level"] = shown
         results.save()
     lines = [f"Exercise {key} · {ex.title}: {entry.get('symptom', '')}"]
-    lines += [f"Hint {i + 1}/{len(hints)}: {h}" for i, h in enumerate(hints[:shown])]
+    lines += [f"Hint {i + 1}/{len(hints)}: {filled(h, entry.get('detail'))}" for i, h in enumerate(hints[:shown])]
     if shown >= len(hints) and entry.get("status") != "not solved":
         lines.append(f"That was the last hint: solution('{key}') shows the reference solution.")
     text = "\n".join(lines)

@@ -2,7 +2,11 @@
 
 The check runs ex5_zero1.py on 2 processes, requires both ranks equal to one process running Adam after each
 of 8 steps, and reads from the recorder the optimizer state each rank held: at most about 1/world size of
-what one process holds for the whole model, and all of it held by some rank.
+what one process holds for the whole model, and all of it held by some rank. A difference is named where
+it can be: parameters never updated, another learning rate (every parameter the same multiple of Adam's
+step), parameters averaged after the step instead of gradients before it (the recorder's timeline), a
+later step wrong after a right one. (Gradients summed instead of averaged change nothing here: Adam's
+step does not depend on the gradient's scale.)
 """
 
 from pathlib import Path
@@ -16,6 +20,7 @@ from course.exercises.results import Exercise, Stop, Verdict, fail
 from course.exercises.running import failure, launch, load_trace, load_traces
 
 CONFIG = {"steps": 8, "batch": 32, "lr": 0.01, "seed": 4}  # seed 4: not the script's default
+CONFIGS = (CONFIG, {"steps": 5, "batch": 16, "lr": 0.003, "seed": 12})  # the tests check both
 
 
 def build():
@@ -38,6 +43,46 @@ def adam_state_bytes() -> int:
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
 
 
+def _averaged_after_step(records: dict) -> bool:
+    """Whether every all_reduce of a rank ran after its optimizer steps began and none before the first:
+    the parameters were averaged, not the gradients (the recorder's timeline)."""
+    for rec in records.values():
+        reduces = [c["t"] for c in rec["collectives"] if c["op"] == "all_reduce"]
+        if not reduces or not rec["steps"] or min(reduces) < rec["steps"][0]:
+            return False
+    return True
+
+
+def _rediagnose(v: Verdict, run, ref: Trajectory) -> None:
+    """Name the ZeRO-1 mistakes behind a plain difference: parameters left as they were, a learning rate
+    other than the one given (Adam's first step is the learning rate times about sign(gradient), whatever
+    the gradient's scale), parameters averaged instead of gradients, a later step wrong after a right one."""
+    k, trace = v.facts["step"], load_trace(run, 0)
+    before, after = trace["params"][k - 1], trace["params"][k]
+    still = [name for name, a, b in zip(trace["names"], before, after) if close(a, b)]
+    if still:
+        v.diagnosis = "not-updated"
+        v.symptom = (f"after step {k} both ranks agree, but {len(still)} of {len(trace['names'])} parameters "
+                     f"did not change at all ({', '.join(still[:4])}{' ...' if len(still) > 4 else ''}).")
+        return
+    if _averaged_after_step(run.records):
+        v.diagnosis = "params-averaged"
+        v.symptom = (f"after step {k} both ranks agree but differ from one process's Adam, and every all_reduce ran "
+                     "after optimizer.step(), none between backward() and the step (the recorder's timeline).")
+        return
+    ratio = v.facts["ratio"]
+    if k == 1 and all(close(b - a, ratio * (r - a)) for a, b, r in zip(before, after, ref.params[1])):
+        v.diagnosis = "lr"
+        v.symptom = (f"after step 1 both ranks agree, and every parameter moved exactly {ratio:.3g}× as far as one "
+                     f"process's Adam step with lr={CONFIG['lr']} (the check passes --lr {CONFIG['lr']}).")
+        return
+    if k > 1:
+        v.diagnosis = "later-step"
+        v.symptom = (f"{'step 1 equals' if k == 2 else f'steps 1 to {k - 1} equal'} one process's Adam; after step "
+                     f"{k} both ranks agree with each other "
+                     f"but not with it (the step is {ratio:.2f}× the reference's).")
+
+
 def check(path: Path, work: Path, *, backend: str, timeout: float) -> Verdict:
     run = launch(path, ["--steps", CONFIG["steps"], "--batch-size", CONFIG["batch"], "--lr", CONFIG["lr"],
                          "--seed", CONFIG["seed"]], work, backend, timeout)
@@ -46,15 +91,8 @@ def check(path: Path, work: Path, *, backend: str, timeout: float) -> Verdict:
     try:
         verdict = compare_traces(load_traces(run), ref, "every step", loss_ref=reference(NPROC), seconds=run.seconds)
     except Stop as stop:
-        v = stop.verdict
-        if v.diagnosis in ("differs", "summed", "halved", "factor") and "step" in v.facts:
-            k, trace = v.facts["step"], load_trace(run, 0)
-            still = [name for name, a, b in zip(trace["names"], trace["params"][k - 1], trace["params"][k])
-                     if close(a, b)]
-            if still:
-                v.diagnosis = "not-updated"
-                v.symptom = (f"after step {k} both ranks agree, but {len(still)} of {len(trace['names'])} parameters "
-                             f"did not change at all ({', '.join(still[:4])}{' ...' if len(still) > 4 else ''}).")
+        if stop.verdict.diagnosis in ("differs", "summed", "halved", "factor") and "step" in stop.verdict.facts:
+            _rediagnose(stop.verdict, run, ref)
         raise
     full = adam_state_bytes()
     held = {rank: rec["state_bytes"] for rank, rec in sorted(run.records.items())}
@@ -82,6 +120,26 @@ HINTS = {
                            "not saved."),
                           "Adam creates state for the parameters you pass it. Which ones should this rank pass?",
                           "Build Adam over `mine`, the parameters this rank owns."],
+    "lr": [("Every parameter moved the same multiple of one process's Adam step: Adam's first step is about its "
+            "learning rate times the sign of the gradient, so the learning rate differs."),
+           "Which learning rate does your Adam use? What is Adam's default, and what does the check pass in --lr?",
+           "torch.optim.Adam(mine, lr=args.lr)"],
+    "params-averaged": [("The parameters were averaged after the step, and the gradients never were: each owner's "
+                         "Adam stepped with its own half-batch gradient, and the average mixed new values with old."),
+                        ("In ZeRO-1 every owner must step with the *averaged* gradient (as in exercise 2), and the "
+                         "others take the owner's new value as it is. Which collective copies one rank's tensor?"),
+                        ("Keep average_gradients(model, world_size) before optimizer.step(); after it, "
+                         "dist.broadcast(p.data, src=owner[p]) for every parameter.")],
+    "later-step": [("The first step is right and a later one is not: something carries over from one step into the "
+                    "next that should not, or is lost that should stay."),
+                   ("The optimizer clears only the gradients of the parameters it knows. Who clears the gradients of "
+                    "the parameters this rank does not own? And is Adam built once, before the loop?"),
+                   "Call model.zero_grad() (every gradient) before backward(), and build Adam once over `mine`."],
+    "differs": [("The ranks agree with each other but not with one process's Adam: each owner must step with the "
+                 "gradient averaged over the ranks, and every rank must end the step with the owner's value."),
+                "Print one parameter on both ranks and on one process after step 1: which rank's value is wrong?",
+                ("average_gradients(model, world_size) before optimizer.step() on every rank; then "
+                 "dist.broadcast(p.data, src=owner[p]) for every parameter.")],
     "state-missing": ["Some parameters have no owner's optimizer: every parameter must be in exactly one rank's Adam."],
 }
 

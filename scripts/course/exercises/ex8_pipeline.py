@@ -3,7 +3,8 @@
 The check runs ex8_pipeline.py on 2 processes with a seed and batch that are not the script's defaults, and
 compares every rank's gradients after one GPipe step with the whole model's on one process (the batch's
 mean loss). The mistakes it names, from the numbers:
-- the micro-batch losses not divided by their number (every gradient exactly m times the reference);
+- the micro-batch losses not divided by their number (every gradient exactly m times the reference), or
+  divided by another number (every gradient the same exact factor off);
 - the gradients not sent back (rank 0 waits for them: a hang, ended by the process-group timeout);
 - stage 0's backward paired with the wrong micro-batch's gradient, or not run from the received gradient
   (rank 1's gradients right, rank 0's wrong);
@@ -14,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-from course.exercises.reference import NPROC, close, exact_factor, maxdiff
+from course.exercises.reference import NPROC, close, exact_factor, maxdiff, seeded
 from course.exercises.results import Exercise, Verdict, fail
 from course.exercises.running import failure, launch
 
 CONFIG = {"batch_size": 24, "microbatches": 3, "seed": 5}  # not the script's defaults (16, 4, 0)
+CONFIGS = (CONFIG, {"batch_size": 16, "microbatches": 2, "seed": 9})  # the tests check both
 
 
+@seeded
 def reference(batch_size: int, microbatches: int, seed: int) -> list[dict]:
     """Each stage's gradients (by the GPT's own names) from the whole model, on one process."""
     from course.gpt import GPT, GPTConfig, loss_fn
@@ -71,6 +74,9 @@ def diagnose(saved: list[dict], ref: list[dict], microbatches: int) -> Verdict:
     if factors == {float(microbatches)}:
         fail("not-scaled", f"every gradient on both ranks is exactly {microbatches} times the reference's: the "
                            f"{microbatches} micro-batch losses were summed, not averaged.")
+    if len(factors) == 1 and None not in factors:
+        fail("loss-scale", f"every gradient on both ranks is exactly {factors.pop():.4g} times the reference's: the "
+                           "micro-batch losses were scaled by another number than their share of the batch.")
     right = [_right(m, w) for m, w in zip(saved, ref)]
     if right[1] and not right[0]:
         worst = max(maxdiff(saved[0][n], ref[0][n]) for n in ref[0])
@@ -96,6 +102,11 @@ HINTS = {
         "The gradients are right in direction but too large, by exactly the number of micro-batches.",
         ("The batch's loss is the mean over its samples; each micro-batch's mean loss covers 1/m of them. What must "
          "each micro-batch's loss be multiplied by so that the m backwards add up to the batch's gradient?"),
+        "loss = loss_fn(stage(h), ym) / m"],
+    "loss-scale": [
+        "Every gradient is off by one exact factor: each micro-batch's loss was scaled by the wrong number.",
+        ("The batch's loss is the mean over its samples, and each micro-batch's mean loss covers 1/m of them "
+         "(m = the number of micro-batches, not the batch size)."),
         "loss = loss_fn(stage(h), ym) / m"],
     "hang": [
         ("Rank 0 waited for something rank 1 never sent: a dist.recv without its dist.send (the process-group "

@@ -1,12 +1,17 @@
 """Exercise 9 (notebook 12): expert parallelism by hand on 2 processes, one expert per rank.
 
-The check runs ex9_experts.py on 2 processes with a seed and a number of tokens that are not the script's
-defaults, and compares each rank's outputs, input gradients and its expert's gradients with the whole layer
-computed on one process (``course.moe``, every token, every expert). The mistakes it names, from the numbers:
-- splits that do not add up (all_to_all_single refuses them: "Split sizes doesn't match total dim 0 size"),
-  e.g. the dispatch's or the combine's splits the wrong way round;
+The check runs ex9_experts.py on 2 processes with a seed that is not the script's default and several
+numbers of tokens per rank (one pass of the layer each; with the fewest, some rank sends an expert no token,
+so a count that leaves an expert out shows), and compares each rank's outputs, input gradients and its
+expert's gradients with the whole layer computed on one process (``course.moe``, every token, every expert).
+The mistakes it names, from the numbers and from each rank's error:
+- counts that leave out an expert that gets no token (a tensor shorter than the world size);
+- splits that do not add up (all_to_all_single, or gloo under it, refuses them: "Split sizes doesn't match
+  total dim 0 size", a message size that does not match): the dispatch's or the combine's splits the
+  wrong way round, or counts never exchanged;
 - the outputs combined in the wrong order (each rank's outputs are the right rows, in another order: the
   sort by destination not undone, or undone the wrong way);
+- another rank's expert run on the received tokens;
 - the gradients not travelling back (outputs right, input gradients wrong: a collective without autograd);
 - anything else (the outputs differ).
 """
@@ -15,17 +20,21 @@ from pathlib import Path
 
 import torch
 
-from course.exercises.reference import NPROC, close, maxdiff
+from course.exercises.reference import NPROC, close, maxdiff, seeded
 from course.exercises.results import Exercise, Stop, Verdict, fail
 from course.exercises.running import failure, launch
 
-CONFIG = {"tokens": 24, "seed": 3}  # not the script's defaults (16, 0)
-SPLIT_ERROR = "Split sizes doesn't match"
+CONFIG = {"tokens": (24, 2, 1), "seed": 3}  # not the script's defaults (16, 0); 2 and 1: an expert gets none
+CONFIGS = (CONFIG, {"tokens": (9, 3), "seed": 4})  # the tests check both; seed 4, 3 tokens: each rank sends all away
+SPLIT_ERRORS = ("Split sizes doesn't match", "doesn't match expected size", "does not match", "Invalid split")
+COUNT_ERRORS = ("does not divide equally", "dim 0 must be", "divisible")
 
 
+@seeded
 def reference(tokens: int, seed: int) -> list[dict]:
     """Per rank: the one-process layer's outputs for its tokens, their gradients, the gates, the experts'
-    outputs before the gate, and the gradients of expert ``rank`` (every rank's tokens summed)."""
+    outputs before the gate, the gradients of expert ``rank`` (every rank's tokens summed), and how many
+    tokens the rank sends to each expert."""
     from course.moe import moe_layer, moe_tokens
 
     moe = moe_layer(NPROC, seed)
@@ -36,22 +45,36 @@ def reference(tokens: int, seed: int) -> list[dict]:
     with torch.no_grad():
         gate, expert = moe.route(every)
         unscaled = torch.stack([moe.experts[int(e)](t) for t, e in zip(every, expert)])
+        expert0 = torch.stack([moe.experts[0](t) for t in every]) * gate[:, None]
     out = []
     for r in range(NPROC):
         rows = slice(r * tokens, (r + 1) * tokens)
         out.append({"y": y[rows].detach(), "x_grad": every.grad[rows], "gate": gate[rows], "unscaled": unscaled[rows],
+                    "expert0": expert0[rows], "sends": torch.bincount(expert[rows], minlength=NPROC).tolist(),
                     "expert_grads": {n: p.grad for n, p in moe.experts[r].named_parameters()}})
     return out
 
 
-def _load(work: Path) -> list[dict]:
+def empty_pairs(config: dict) -> list[str]:
+    """Where, in the check's configurations, a rank sends an expert no token (the cases a count must keep)."""
+    return [f"{tokens} token{'s' if tokens > 1 else ''} per rank: rank {r} sends expert {e} none"
+            for tokens in config["tokens"] for r, want in enumerate(reference(tokens, config["seed"]))
+            for e, n in enumerate(want["sends"]) if n == 0]
+
+
+def _load(work: Path, config: dict) -> list[list[dict]]:
+    """Per rank, its results for each number of tokens."""
     saved = []
     for r in range(NPROC):
         path = work / f"ex9_rank{r}.pt"
         if not path.exists():
             fail("no-output", f"rank {r} saved no {path.name}: keep the torch.save(...) at the end of main().",
                  launched=True)
-        saved.append(torch.load(path, weights_only=True))
+        results = torch.load(path, weights_only=True)
+        if not isinstance(results, list) or [x.get("tokens") for x in results] != list(config["tokens"]):
+            fail("no-output", f"rank {r}'s {path.name} does not hold one result per number of tokens "
+                              f"{list(config['tokens'])}: keep main() of the script as it is.", launched=True)
+        saved.append(results)
     return saved
 
 
@@ -67,36 +90,56 @@ def _permuted(y: torch.Tensor, want: dict) -> bool:
     return bool((found <= 1e-4 * scale).all()) and not torch.equal(nearest, torch.arange(len(y)))
 
 
-def diagnose(saved: list[dict], ref: list[dict]) -> Verdict:
-    """The first mistake the numbers show, or a pass."""
+def diagnose(saved: list[dict], ref: list[dict], where: str = "") -> Verdict:
+    """The first mistake the numbers of one configuration show (``where`` names it), or a pass."""
     for r, (mine, want) in enumerate(zip(saved, ref)):
         if not close(mine["y"], want["y"]):
             if _permuted(mine["y"], want):
-                fail("combine-order", f"rank {r}: every output is the right one, but in the wrong row: each token "
-                                      "got another token's expert output.")
-            fail("outputs", f"rank {r}: the outputs differ from the one-process layer's (largest difference "
+                fail("combine-order", f"{where}rank {r}: every output is the right one, but in the wrong row: each "
+                                      "token got another token's expert output.")
+            if close(mine["y"], want["expert0"]):
+                fail("wrong-expert", f"{where}rank {r}: every output is expert 0's, also for the tokens routed to "
+                                     "another expert: the tokens a rank receives went through another rank's expert.")
+            fail("outputs", f"{where}rank {r}: the outputs differ from the one-process layer's (largest difference "
                             f"{maxdiff(mine['y'], want['y']):.2g}).")
     for r, (mine, want) in enumerate(zip(saved, ref)):
         if mine["x_grad"] is None or not close(mine["x_grad"], want["x_grad"]):
-            fail("no-grad-back", f"rank {r}: the outputs are right, but the gradients of its tokens are not: the "
-                                 "backward did not travel back through the exchanges.")
+            fail("no-grad-back", f"{where}rank {r}: the outputs are right, but the gradients of its tokens are not: "
+                                 "the backward did not travel back through the exchanges.")
         grads = mine["expert_grads"]
         if any(grads.get(n) is None or not close(grads[n], g) for n, g in want["expert_grads"].items()):
-            fail("expert-grads", f"rank {r}: its expert's gradients differ from the one-process layer's.")
-    return Verdict("pass", "pass", f"on {NPROC} ranks, {len(ref[0]['y'])} tokens each: the outputs, the tokens' "
-                                   "gradients and every expert's gradients equal the one-process layer's.")
+            fail("expert-grads", f"{where}rank {r}: its expert's gradients differ from the one-process layer's.")
+    return Verdict("pass", "pass", "")
+
+
+def _named(stop: Stop, run, config: dict) -> None:
+    """A crash or a hang read from each rank's error: counts of the wrong length, or splits that do not add up."""
+    errors = " ".join(stop.verdict.facts.get("errors", {}).values()) or run.output
+    pairs = empty_pairs(config)
+    if any(m in errors for m in COUNT_ERRORS):
+        fail("counts", f"{stop.verdict.symptom.rstrip('.')}. The exchange of the counts failed: a rank's count tensor does not "
+                       f"have one count per rank (with {pairs[0] if pairs else 'few tokens'}).", status="error",
+             launched=True)
+    if any(m in errors for m in SPLIT_ERRORS):
+        fail("splits", f"{stop.verdict.symptom.rstrip('.')}. The splits of an all_to_all_single do not add up to the rows it "
+                       "sends or receives, or do not match the other rank's.", status="error", launched=True)
 
 
 def check(path: Path, work: Path, *, backend: str, timeout: float) -> Verdict:
-    run = launch(path, ["--tokens", CONFIG["tokens"], "--seed", CONFIG["seed"]], work, backend, timeout)
+    run = launch(path, ["--tokens", *CONFIG["tokens"], "--seed", CONFIG["seed"]], work, backend, timeout)
     try:
         failure(run, path, timeout)
     except Stop as stop:
-        if SPLIT_ERROR in run.output:
-            fail("splits", f"{stop.verdict.symptom} The splits of one all_to_all_single do not add up to the rows "
-                           "it sends or receives.", status="error", launched=True)
+        _named(stop, run, CONFIG)
         raise
-    return diagnose(_load(work), reference(**CONFIG))
+    saved = _load(work, CONFIG)
+    for i, tokens in enumerate(CONFIG["tokens"]):
+        diagnose([s[i] for s in saved], reference(tokens, CONFIG["seed"]), f"with {tokens} tokens per rank, ")
+    pairs = empty_pairs(CONFIG)
+    return Verdict("pass", "pass", f"on {NPROC} ranks, with {', '.join(map(str, CONFIG['tokens']))} tokens each: the "
+                                   "outputs, the tokens' gradients and every expert's gradients equal the one-process "
+                                   "layer's" + (f", also where an expert gets no token ({pairs[0]})" if pairs else "")
+                                   + ".")
 
 
 HINTS = {
@@ -121,6 +164,15 @@ HINTS = {
          "imported from torch.distributed._functional_collectives returns a new tensor and sends the gradients "
          "back in backward."),
         "received = all_to_all_single(x[order], recv_splits, send_splits, dist.group.WORLD) (the functional one)"],
+    "counts": [
+        ("A rank's count tensor is too short when the last experts get none of its tokens: the exchange of the "
+         "counts needs one count per rank."),
+        "torch.bincount(t) has max(t) + 1 entries. How many does it have when no token of this rank goes to the last expert?",
+        "send = torch.bincount(expert, minlength=world_size)"],
+    "wrong-expert": [
+        "The tokens a rank received went through another rank's expert.",
+        "Rank r holds expert r: which expert does your line run on `received`?",
+        "done = moe.experts[rank](received)"],
     "outputs": [
         "The outputs differ from the one-process layer's: look at what each rank sends and to whom.",
         ("send[j] must count the tokens whose expert is j (torch.bincount with minlength=world_size), and the "

@@ -3,6 +3,8 @@ it, to the cause; each check of the same mistake (or each ``hint()``) shows one 
 
 ``COMMON_HINTS`` holds the diagnoses any exercise can meet (a crash, a hang, a syntax error, gaps left,
 a step an exact factor off); an exercise's own hints come first. ``level()`` says which rung is shown.
+A hint may hold ``{detail}``: what the check measured that points at the cause (``Verdict.facts["detail"]``,
+kept in the results file), shown only when that rung is reached (``filled``).
 """
 
 COMMON_HINTS = {
@@ -35,6 +37,23 @@ COMMON_HINTS = {
                 ("Check each line between backward() and optimizer.step(): the gradient every rank applies must be the "
                  "mean over ranks of their gradients.")],
     "loss-differs": ["The parameters are right but the recorded losses are not: record the loss of the step you took."],
+    "no-output": [("The job ended without writing what the check reads (the line above names the file): keep the "
+                   "script's saving lines as they were given.")],
+    "no-broadcast": ["At step 0 the ranks hold different weights: nothing made them start from the same ones.",
+                     "Which collective copies rank 0's tensors to every rank? (DDP does it when it wraps the model.)",
+                     "Broadcast every parameter from rank 0 before the first step (or wrap the model in DDP)."],
+    "wrong-start": ["The ranks agree at step 0, but not on rank 0's initial weights: which rank's did you copy?",
+                    "The reference starts from rank 0's weights.",
+                    "Broadcast with src=0."],
+    "ranks-differ": ["After a step the ranks' copies differ: they applied different gradients or updates.",
+                     "Print a gradient's norm on each rank just before optimizer.step(): it must be the same on every rank.",
+                     "Every gradient must be averaged over the ranks (all_reduce, then divide by the world size) before the step."],
+    "summed": ["The step is world-size times the reference's: the gradients were added up over the ranks, not averaged.",
+               "all_reduce sums by default: where is the division by the world size?",
+               "Divide the summed gradients by the world size (or all_reduce with op=dist.ReduceOp.AVG)."],
+    "halved": ["The step is 1/world size of the reference's: the average was divided once too often.",
+               "Count the divisions by the world size between backward() and optimizer.step() (ReduceOp.AVG divides too).",
+               "Sum with all_reduce and divide once, or use ReduceOp.AVG alone."],
     "log-unreadable": [("The log file holds broken lines: two processes wrote into it at once. Which ranks open it for "
                         "writing?"),
                        "Only one process (rank 0) should open and write the log; the others should not touch it."],
@@ -49,11 +68,20 @@ COMMON_HINTS["factor"] = [
      "batch: one sum over the ranks, divided once by the world size (and losses divided by the micro-batches).")]
 
 
+UNKNOWN = [("Read the line above: it says what the check measured. Compare that part of your script with the exercise's "
+           "description (tests/test_exercises_api.py holds every diagnosis to a hint of its own, so this is a gap).")]
+
+
 def hints_for(diagnosis: str, own: dict) -> list[str]:
-    """The hints for a diagnosis: the exercise's own, else the common ones, else the generic comparison."""
-    return own.get(diagnosis) or COMMON_HINTS.get(diagnosis) or COMMON_HINTS["differs"]
+    """The hints for a diagnosis: the exercise's own, else the common ones (never another exercise's)."""
+    return own.get(diagnosis) or COMMON_HINTS.get(diagnosis) or UNKNOWN
 
 
 def level(seen: int, extra: int, count: int) -> int:
     """The rung shown (1-based): one per check that saw the mistake plus one per hint() asked, at most all."""
     return max(1, min(seen + extra, count))
+
+
+def filled(hint: str, detail: str | None) -> str:
+    """A hint with the check's measured detail in place of ``{detail}``."""
+    return hint.replace("{detail}", (detail or "").strip())

@@ -2,10 +2,14 @@
 (``simulate``: world=1 with the global batch is the reference), the stated tolerance, and the step-by-step
 comparison of the ranks' recorded parameters with it (``compare_traces``), whose first difference becomes
 a diagnosis: ranks that disagree, a step an exact factor off (the world size: ``summed``/``halved``;
-another: ``factor``), or a plain difference.
+another: ``factor``), or a plain difference. A reference seeds torch's global generator: ``@seeded`` makes
+the references of checks run in threads (the tests', the benchmark's) take turns, so none draws another's
+initial weights.
 """
 
 import copy
+import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +22,16 @@ ATOL, RTOL = 1e-5, 1e-4  # |yours - reference| <= ATOL + RTOL * |reference|: flo
 # summation order stays far below it; every mistake the checks look for is far larger.
 TOLERANCE = f"|Δ| ≤ {ATOL:g} + {RTOL:g}·|reference|"
 FACTORS = (2, 3, 4, 8)  # exact factors a step can be off by that a check names
+_GLOBAL_RNG = threading.RLock()
+
+
+def seeded(fn):
+    """For a function that seeds and draws from torch's global generator: one such call at a time, in any thread."""
+    @functools.wraps(fn)
+    def one_at_a_time(*args, **kwargs):
+        with _GLOBAL_RNG:
+            return fn(*args, **kwargs)
+    return one_at_a_time
 
 
 def close(a, b) -> bool:
@@ -69,15 +83,17 @@ class Trajectory:
     val: tuple = ()
 
 
+@seeded
 def simulate(build, data, loss_fn, *, world=1, per_rank=32, epochs=1, steps=None, lr=0.1, momentum=0.0,
-              optimizer="sgd", seed=0, sampler="distributed", set_epoch=True, average=True, accum=1,
+              optimizer="sgd", seed=0, sampler="distributed", set_epoch=True, reduce="mean", accum=1,
               loss_scale=1.0, val=None, val_fn=None, order_seed=None) -> Trajectory:
     """Train ``world`` simulated ranks in this process, on the CPU, as a data-parallel script would.
 
     world=1 with the global batch is the single-process reference. sampler: "distributed" (every rank
     takes every world-th index of a seeded permutation, new with each epoch if set_epoch), "same" (no
     sharding: every rank the whole permutation), "fixed" (no shuffle: global batch k is samples
-    [k*B, (k+1)*B), rank r takes every world-th of it). average=False: the ranks never share gradients.
+    [k*B, (k+1)*B), rank r takes every world-th of it). reduce: how the ranks combine their gradients:
+    "mean" (data parallelism), "sum" (a sum never divided), None (never shared).
     order_seed: the sampler's seed when it is not ``seed`` (a sampler left at its default seed).
     """
     torch.manual_seed(seed)
@@ -116,11 +132,11 @@ def simulate(build, data, loss_fn, *, world=1, per_rank=32, epochs=1, steps=None
                     loss = loss_fn(m(x_all[idx]), y_all[idx])
                     (loss * loss_scale / accum).backward()
                     step_losses[r] += loss.item() / accum
-            if average and world > 1:
+            if reduce and world > 1:
                 for ps in zip(*(m.parameters() for m in models)):
-                    mean = torch.stack([p.grad for p in ps]).mean(0)
+                    combined = torch.stack([p.grad for p in ps]).sum(0) / (world if reduce == "mean" else 1)
                     for p in ps:
-                        p.grad.copy_(mean)
+                        p.grad.copy_(combined)
             for o in opts:
                 o.step()
             traj.losses.append(sum(step_losses) / world)

@@ -7,9 +7,12 @@ records, per rank, facts that the script cannot fake or forget to report:
 - which files it wrote (an audit hook sees every ``open`` for writing and every rename): exactly one
   rank should write a log or a checkpoint;
 - every ``torch.distributed`` collective it called, with the time, whether it was asynchronous and, if it
-  was, when its handle was first waited on (``wait()`` or ``get_future()``);
-- when each ``backward()`` started and ended, and when each optimizer step ran (to count collectives
-  per step and to see whether communication overlapped the backward pass);
+  was, when its handle was first waited on (``wait()`` or ``get_future()``) and whether the script wrote
+  into the collective's tensors before that (``touched``: their version counters moved, e.g. a division
+  before ``wait()``, a race whose numbers change from run to run);
+- when each ``backward()`` started and ended, when each optimizer step ran, and when autograd called each
+  hook registered with ``register_post_accumulate_grad_hook`` (``grad_ready``: a gradient is complete), to
+  count collectives per step and to see whether communication ran while backward() computed gradients;
 - the indices each ``DistributedSampler`` yielded, with its epoch;
 - the optimizer-state bytes held by each optimizer.
 The record goes to ``$COURSE_EXERCISE_OUT/runner_rank<RANK>.json`` when the script ends (even by an exception).
@@ -26,8 +29,8 @@ import time
 OUT = os.path.abspath(os.environ.get("COURSE_EXERCISE_OUT", "."))
 RANK = os.environ.get("RANK", "0")
 T0 = time.perf_counter()
-record = {"rank": int(RANK), "writes": [], "collectives": [], "backward": [], "steps": [], "samplers": [],
-          "state_bytes": 0}
+record = {"rank": int(RANK), "writes": [], "collectives": [], "backward": [], "grad_ready": [], "steps": [],
+          "samplers": [], "state_bytes": 0}
 
 
 def now() -> float:
@@ -64,15 +67,30 @@ def _save_record():
         pass
 
 
-class _Handle:
-    """An asynchronous collective's handle (torch's Work), noting when it is first waited on."""
+def _tensors(args, kwargs) -> list:
+    """The tensors a collective was given (in lists too): the ones it reads and writes."""
+    import torch
 
-    def __init__(self, work, entry):
-        self._work, self._entry = work, entry
+    found = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
+
+
+class _Handle:
+    """An asynchronous collective's handle (torch's Work), noting when it is first waited on and whether the
+    script wrote into the collective's tensors before that: their version counters moved more than the
+    collective moves them itself (once for ReduceOp.AVG, which divides in place; never for the others)."""
+
+    def __init__(self, work, entry, versions, own_writes):
+        self._work, self._entry, self._versions, self._own = work, entry, versions, own_writes
 
     def _waited(self):
         if self._entry["waited"] is None:
             self._entry["waited"] = now()
+            self._entry["touched"] = any(t._version - v > self._own for t, v in self._versions)
 
     def wait(self, *args, **kwargs):
         result = self._work.wait(*args, **kwargs)
@@ -101,14 +119,17 @@ def _instrument():
 
         def wrapper(*args, **kwargs):
             try:
-                asynchronous = bool(signature.bind(*args, **kwargs).arguments.get("async_op")) if signature \
-                    else bool(kwargs.get("async_op"))
+                given = signature.bind(*args, **kwargs).arguments if signature else kwargs
             except TypeError:
-                asynchronous = bool(kwargs.get("async_op"))
-            entry = {"op": name, "t": now(), "async": asynchronous, "waited": None}
+                given = kwargs
+            asynchronous = bool(given.get("async_op"))
+            entry = {"op": name, "t": now(), "async": asynchronous, "waited": None, "touched": None}
             record["collectives"].append(entry)
+            versions = [(t, t._version) for t in _tensors(args, kwargs)] if asynchronous else []
             work = fn(*args, **kwargs)
-            return _Handle(work, entry) if asynchronous and work is not None else work
+            if not asynchronous or work is None:
+                return work
+            return _Handle(work, entry, versions, int(given.get("op") == dist.ReduceOp.AVG))
         wrapper.__wrapped__ = fn
         return wrapper
 
@@ -144,6 +165,16 @@ def _instrument():
         record["state_bytes"] = max(record["state_bytes"], size)
 
     register_optimizer_step_post_hook(after_step)
+
+    register_hook = torch.Tensor.register_post_accumulate_grad_hook
+
+    def recorded_register(self, hook):
+        def ready(*args, **kwargs):  # called by autograd during backward(): one more gradient complete
+            record["grad_ready"].append(now())
+            return hook(*args, **kwargs)
+        return register_hook(self, ready)
+
+    torch.Tensor.register_post_accumulate_grad_hook = recorded_register
 
     sampler_iter = DistributedSampler.__iter__
 

@@ -152,32 +152,44 @@ def _where(crash: Crash, path: Path) -> str:
     return f"{path.name} line {line}" + (f" (in {func})" if func not in ("<module>", "main") else "") + f": `{code}`"
 
 
+def waiting(error: str) -> bool:
+    """Whether a rank's error only says that it gave up on its partner (a timeout, a closed connection)."""
+    return any(m in error for m in HANG_MESSAGES)
+
+
 def failure(run: Run, path: Path, timeout: float) -> None:
-    """Turn a failed or stopped run into a verdict: a hang (ranks waiting for each other) or a crash."""
+    """Turn a failed or stopped run into a verdict: a crash (a rank raised an error of its own: it is the cause,
+    even if its partner then reports the closed connection) or a hang (every error is a rank giving up on a
+    partner). The symptom says what happened; where each rank was goes to ``facts["detail"]`` too (the
+    debugging lab shows it only on request) and every rank's error to ``facts["errors"]``."""
     if run.ok:
         return
     crashes = _crashes(run.output, path)
+    errors = {c.rank: c.error for c in crashes}
     if run.returncode is None and not crashes:
         fail("hang", f"the job was still running after {timeout:.0f} s and was stopped (every process ended): "
-                      "a loop that never ends, or a rank waiting for a partner.", status="error", launched=True)
-    hang = [c for c in crashes if any(m in c.error for m in HANG_MESSAGES)]
-    if hang:
+                      "a loop that never ends, or a rank waiting for a partner.", status="error", launched=True,
+             detail="", errors=errors)
+    own = [c for c in crashes if c.error and not waiting(c.error)]
+    if crashes and not own:
         waited = [c for c in crashes if "Timed out" in c.error]
-        parts = [f"rank {c.rank} {'waited' if c in waited else 'failed'} at "
-                 f"{_where(c, path) or 'a line outside your script'}" + ("" if c in waited else f" ({c.error})")
-                 for c in crashes]
+        detail = "; ".join(f"rank {c.rank} {'waited' if c in waited else 'failed'} at "
+                           f"{_where(c, path) or 'a line outside your script'}" + ("" if c in waited else f" ({c.error})")
+                           for c in crashes) + "."
         lead = (f"the job hung: a rank waited in a collective that the other never joined, until the {PG_TIMEOUT_S} s "
                 "process-group timeout" if waited else "a collective of one rank was not matched by the other")
-        fail("hang", f"{lead}. " + "; ".join(parts) + ".", status="error", launched=True, crashes=len(crashes))
-    if crashes:
+        fail("hang", f"{lead}. {detail}", status="error", launched=True, crashes=len(crashes), lead=lead + ".",
+             detail=detail, errors=errors)
+    if own:
         root = first_failure(run.output)  # torchrun's report: the rank that failed first
-        first = next((c for c in crashes if root and c.rank == root["rank"] and c.error), crashes[0])
+        first = next((c for c in own if root and c.rank == root["rank"]), own[0])
         where = _where(first, path)
         at_exit = " " + EXIT_RACE_NOTE if aborted_at_exit(rank_lines(run.output).get(first.rank, [])) else ""
         fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}{at_exit}",
-              status="error", launched=True)
+             status="error", launched=True, detail=where, errors=errors, rank=first.rank)
     tail = " | ".join(run.output.strip().splitlines()[-3:])
-    fail("crash", f"the job failed with exit code {run.returncode}: {_short(tail)}", status="error", launched=True)
+    fail("crash", f"the job failed with exit code {run.returncode}: {_short(tail)}", status="error", launched=True,
+         detail="", errors=errors)
 
 
 def load_trace(run: Run, rank: int) -> dict:

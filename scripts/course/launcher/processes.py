@@ -1,21 +1,30 @@
 """No process left behind: end a process tree, a watchdog that ends a job (and removes its temporary
-folders) when the process that launched it dies, and free ports.
+folders) when the process that launched it dies, the launcher's log folders named by their owner, and
+free ports.
 
 The watchdog runs as ``python -m course.launcher.processes PARENT CREATED PIDS REMOVE`` (JSON lists):
 when PARENT dies by any signal, SIGKILL included (a killed notebook kernel), or when the watchdog itself
 is told to stop (SIGTERM: stopping Lab ends the whole tree it started), it ends the job's process trees
 and removes the folders. It exits by itself when they have all ended. Same on Linux and macOS (it
 polls; no Linux-only prctl).
+
+A log folder (``log_folder()``) is named after the process that made it. When the owner and its watchdog
+are both killed outright (SIGKILL of ``make lab``: Lab's watchdog ends the kernel, then kills the job's
+watchdog before it has removed anything), whoever is left cleans up: every watchdog that ends a job, and
+every launch, removes the folders whose owner is gone (``remove_orphaned_log_folders``).
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
@@ -29,6 +38,27 @@ def start_watchdog(pids: list[int], remove=()) -> subprocess.Popen:
             json.dumps(list(pids)), json.dumps([str(r) for r in remove])]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True, env=env)
+
+
+LOG_PREFIX = "course-torchrun-"
+OWNED = re.compile(rf"{LOG_PREFIX}(\d+)-(\d+)-")  # owner's pid and creation time (s)
+
+
+def log_folder() -> str:
+    """A new temporary folder for torchrun's logs, named after this process (its pid and start time)."""
+    me = psutil.Process()
+    return tempfile.mkdtemp(prefix=f"{LOG_PREFIX}{me.pid}-{round(me.create_time())}-")
+
+
+def remove_orphaned_log_folders(where=None) -> list[Path]:
+    """Remove the log folders in the temporary directory whose owner process has ended; returns them."""
+    removed = []
+    for folder in Path(where or tempfile.gettempdir()).glob(f"{LOG_PREFIX}*"):
+        owner = OWNED.match(folder.name)
+        if owner and folder.is_dir() and not _parent_alive(int(owner[1]), float(owner[2])):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def watch(parent: int, created: float, pids: list[int], remove: list[str], poll: float = 0.5) -> None:
@@ -54,6 +84,7 @@ def watch(parent: int, created: float, pids: list[int], remove: list[str], poll:
         _end(list(watched.values()), grace=1)  # nobody reads the output any more: no need to wait long
         for folder in remove:
             shutil.rmtree(folder, ignore_errors=True)
+        remove_orphaned_log_folders()  # those of a job whose own watchdog was killed with the tree ended here
         os._exit(0)
 
     signal.signal(signal.SIGTERM, end_job)  # stopped with the tree it belongs to: the job goes with it

@@ -8,7 +8,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from course import ROOT, in_repo
 from course.launcher.plan import LaunchRefused, max_restarts, plan, resolve_script, torchrun_command
-from course.launcher.processes import kill_tree, start_watchdog
+from course.launcher.processes import kill_tree, log_folder, remove_orphaned_log_folders, start_watchdog
 from course.launcher.rundir import StagedRun
 from course.launcher.stream import KEEP, SHOW, TorchrunStream
 from course.launcher.torchrun_output import describe_failure, unglue
@@ -94,8 +93,10 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
     log_dir = None
     try:
         if not any(a.split("=", 1)[0] in ("--log-dir", "--log_dir") for a in torchrun_args):
-            # torchrun keeps per-rank logs and error files (@record) there; ours is removed after the job.
-            log_dir = tempfile.mkdtemp(prefix="course-torchrun-")
+            # torchrun keeps per-rank logs and error files (@record) there; ours is removed after the job,
+            # and a launch removes those that a killed caller left (course.launcher.processes).
+            remove_orphaned_log_folders()
+            log_dir = log_folder()
             torchrun_args = ["--log-dir", log_dir, *torchrun_args]
         cmd = torchrun_command(script_path, nproc, args, torchrun_args, standalone=standalone)
         if not quiet:

@@ -3,8 +3,9 @@ prints the same error), not torchrun's own failure report. Everything is kept in
 
 Held back from the stream (kept in the output):
 - torchrun's traceback that ends in ChildFailedError, the report block after it, and its log lines
-  about the failure; its traceback that ends in SignalException (torchrun told to stop: a timeout, Stop,
-  an interrupt). A traceback of torchrun that ends in anything else (a bad option) is the cause: shown.
+  about the failure; when torchrun is told to stop (a timeout, Stop, an interrupt), its shutdown log lines
+  and its traceback that ends in SignalException. A traceback of torchrun that ends in anything else (a bad
+  option) is the cause: shown.
 - a rank's error lines (from ``usage:``, ``Traceback``, or an ``error:`` line on) that repeat, line for
   line, what another rank printed: argparse's usage and error from every rank show once, and one line at
   the end says how many ranks printed the same.
@@ -14,8 +15,10 @@ import re
 
 from course.launcher.torchrun_output import ERRORISH, ROOT_CAUSE, split_tag
 
+# torch 2.14 on Python 3.11+ logs the agent's signal as a number ("Received 15 death signal, shutting down
+# workers", elastic/agent/server/api.py); older Pythons printed "Signals.SIGTERM".
 LOG = re.compile(r"^[WEI]\d{4} .*\] (failed \(exitcode|no error file defined|Sending process \d+ closing|"
-                 r"Received (Signals\.)?SIG\w+ death signal)")
+                 r"Received (Signals\.)?(SIG\w+|\d+) death signal)")
 HIDDEN_ENDINGS = ("ChildFailedError", "SignalException")
 BOTH, KEEP, SHOW = "both", "keep", "show"
 

@@ -30,6 +30,10 @@ ERRORISH = re.compile(r"(^|\W)(error|exception)\b", re.IGNORECASE)
 LIBRARY = ("site-packages", "/lib/python3.", '"<frozen ')
 VICTIM = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer")
 STOPPED_BY_TORCHRUN = "SIGTERM"  # how torchrun ends the other ranks when one fails
+# A collective or store wait that ran out of time: gloo "Timed out waiting 5000ms for recv operation", nccl
+# "Watchdog caught collective operation timeout", the store's "wait timeout". In a hang every rank may time out;
+# the rank whose message came first is the one stuck first, whichever rank torchrun saw exit first.
+TIMED_OUT = re.compile(r"timed out waiting|collective operation timeout|wait timeout|TimeoutError", re.IGNORECASE)
 # A gloo worker thread that drops the last collective's tensors after Python began to exit cannot take the
 # interpreter lock and aborts the process (pytorch/pytorch#117762); faulthandler then shows the main
 # thread with no Python frame: the script's own code had finished.
@@ -105,12 +109,26 @@ def _is_victim(lines: list[str]) -> bool:
     return any(marker in line for line in lines for marker in VICTIM)
 
 
-def _culprit(entries: list[dict], by_rank: dict[int, list[str]]) -> tuple[dict, list[str]] | None:
+def timed_out_order(output: str) -> list[int]:
+    """The ranks whose error lines say a wait timed out, in the order their first such line came."""
+    ranks: list[int] = []
+    for line in output.splitlines():
+        for part in unglue(line):
+            rank, text = split_tag(part)
+            if rank is not None and rank not in ranks and TIMED_OUT.search(text):
+                ranks.append(rank)
+    return ranks
+
+
+def _culprit(entries: list[dict], by_rank: dict[int, list[str]], timed_out: list[int] = ()) -> \
+        tuple[dict, list[str]] | None:
     """The entry that caused the failure and its own error lines. Best first: a rank that said what went
-    wrong (exit code > 0 before one stopped by torchrun), unless a rank killed by a signal (SIGKILL, as
-    the out-of-memory killer does; not torchrun's SIGTERM) failed before it; then such a killed rank."""
+    wrong (the one whose wait timed out first, if any did; else exit code > 0 before one stopped by
+    torchrun), unless a rank killed by a signal (SIGKILL, as the out-of-memory killer does; not torchrun's
+    SIGTERM) failed before it; then such a killed rank."""
+    first_out = {rank: at for at, rank in enumerate(timed_out)}
     said = sorted((e for e in entries if _own_lines(e, by_rank) and not _is_victim(_own_lines(e, by_rank))),
-                  key=lambda e: (e["exitcode"] <= 0, e["order"]))
+                  key=lambda e: (first_out.get(e["rank"], len(first_out)), e["exitcode"] <= 0, e["order"]))
     killed = [e for e in entries if e["signal"] and e["signal"] != STOPPED_BY_TORCHRUN]
     if killed and (not said or killed[0]["order"] < said[0]["order"]):
         return killed[0], [line for line in _own_lines(killed[0], by_rank) if not _is_victim([line])]
@@ -126,7 +144,7 @@ def first_failure(output: str) -> dict | None:
     by_rank = rank_lines(output)
     entries = report_entries(output)
     if entries:
-        found = _culprit(entries, by_rank)
+        found = _culprit(entries, by_rank, timed_out_order(output))
         if found:
             return {**found[0], "lines": found[1]}
         first = min(entries, key=lambda e: (e["exitcode"] <= 0, e["order"]))
@@ -155,7 +173,8 @@ def describe_failure(output: str, returncode: int | None = None) -> str:
             return f"rank {failure['rank']}" + _indent(failure["lines"])
         code = f"exit code {returncode}" if returncode is not None else "failed"
         return code + _indent(_tail(output, 12))
-    found = _culprit(entries, by_rank)
+    timed_out = timed_out_order(output)
+    found = _culprit(entries, by_rank, timed_out)
     if found is None:  # only ranks that lost a peer, or nobody said anything
         victims = [e for e in sorted(entries, key=lambda e: (e["exitcode"] <= 0, e["order"]))
                    if _own_lines(e, by_rank)]
@@ -166,7 +185,10 @@ def describe_failure(output: str, returncode: int | None = None) -> str:
     entry, lines = found
     who = _who(entry)
     first = min(entries, key=lambda e: e["order"])
-    if entry["signal"] == STOPPED_BY_TORCHRUN and first["exitcode"] > 0:  # it said why, then torchrun stopped it
+    if timed_out and entry["rank"] == timed_out[0]:  # stuck first, whatever the order the ranks exited in
+        how = "torchrun then ended it by SIGTERM" if entry["signal"] == STOPPED_BY_TORCHRUN else _how(entry)
+        who = f"{_who(entry).removesuffix(' ' + _how(entry))} timed out first ({how})"
+    elif entry["signal"] == STOPPED_BY_TORCHRUN and first["exitcode"] > 0:  # it said why, then torchrun stopped it
         who = f"rank {entry['rank']} (stopped by torchrun after {_who(first)})"
     exit_race = entry["signal"] == "SIGABRT" and aborted_at_exit(by_rank.get(entry["rank"], []))
     if entry["signal"] and entry["signal"] != STOPPED_BY_TORCHRUN and not lines:
@@ -226,11 +248,14 @@ def last_error_lines(lines: list[str], frames: int = 2) -> list[str]:
     return [line for frame in own[-frames:] for line in frame] + exception
 
 
-def _who(entry: dict) -> str:
+def _how(entry: dict) -> str:
     code = entry["exitcode"]
-    how = f"exited with code {code}" if code >= 0 else f"was ended by {entry['signal']}"
+    return f"exited with code {code}" if code >= 0 else f"was ended by {entry['signal']}"
+
+
+def _who(entry: dict) -> str:
     local = f" (local rank {entry['local_rank']})" if entry["local_rank"] != entry["rank"] else ""
-    return f"rank {entry['rank']}{local} {how}"
+    return f"rank {entry['rank']}{local} {_how(entry)}"
 
 
 def _indent(lines: list[str]) -> str:

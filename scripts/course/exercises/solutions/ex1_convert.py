@@ -48,8 +48,11 @@ def main():
     args = parse_args()
     # DDP step 1: torchrun gives every process its rank, its local rank (on this machine) and the world size.
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    # DDP step 2: one device per process, chosen before anything touches it: the accelerator's device
-    # local_rank when there is one per process here and its backend can carry it (MPS: no), else the CPU.
+    # Step 2's tools (train_ddp.py of notebook 03 uses them): torch.accelerator.current_accelerator()
+    # (cuda, mps, ... or None), torch.accelerator.device_count(), torch.accelerator.set_device_index(i) and
+    # dist.get_default_backend_for_device(accelerator) (nccl for cuda); MPS cannot be carried between
+    # processes, so there (and with no accelerator, or fewer than the processes) the CPU and gloo.
+    # DDP step 2: one device per process, chosen before anything touches it.
     accelerator = torch.accelerator.current_accelerator()  # cuda, xpu, mps, ... or None
     backend = dist.get_default_backend_for_device(accelerator) if accelerator else "gloo"
     if accelerator and accelerator.type in dist.Backend.backend_capability.get(backend, ()) \

@@ -3,7 +3,7 @@
 
 Fill the lines marked TODO, then run `exercises.check("7")` in notebook 10. The check launches this script
 on 2 processes and compares, on every rank, the output, the input's gradient and each weight's gradient
-with the unsplit MLP computed in one process.
+(put back where its slice sits in the unsplit weight) with the unsplit MLP computed in one process.
 
     torchrun --nproc-per-node=2 scripts/ex7_tp.py --out runs/10_tensor_parallel/ex7
 """
@@ -86,7 +86,9 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
     torch.save({"out": out.detach(), "x_grad": x.grad, "fc_weight_grad": col.weight.grad,
                 "fc_bias_grad": col.bias.grad, "proj_weight_grad": row.weight.grad,
-                "proj_bias_grad": row.bias.grad}, Path(args.out) / f"ex7_rank{rank}.pt")
+                "proj_bias_grad": row.bias.grad,  # and which slices this rank holds:
+                "fc_weight": col.weight.detach(), "proj_weight": row.weight.detach()},
+               Path(args.out) / f"ex7_rank{rank}.pt")
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 

@@ -1,0 +1,77 @@
+"""The checker's own test set, in one place: realistic wrong solutions and correct alternatives of every exercise,
+each an edit of the reference solution (or a whole script), with the diagnosis whose hints name the mistake.
+
+    from course.exercises.mutations import CASES, by_key
+    for case in CASES:
+        case.key, case.name, case.expect   # expect: a diagnosis, or "pass" for a correct alternative
+        case.script()                      # the script's text: the solution with case.edits applied
+
+The tests (``tests/test_exercises_*.py``) check every case and require its diagnosis; the benchmark
+(``python -m course.bench_checker``) checks every case and writes how often the checker is wrong: false PASS
+(a wrong solution passes), false FAIL (a correct alternative fails) and the share of mistakes whose first hint
+names them. ``Case.cls`` names the class of checker error a case guards against (issue 34), when it has one:
+``false-pass``, ``false-fail``, ``averaged`` (an average where a sum belongs, or the reverse), ``crash``
+(one rank's own error, its partner then reporting the closed connection), ``shape``, ``splits``,
+``own-hint`` (a diagnosis that needs a hint of its own) and ``race`` (a diagnosis that must not change
+from run to run).
+"""
+
+from dataclasses import dataclass
+
+from course.exercises.results import SOLUTIONS
+
+SCRIPT_NAMES = {"1": "ex1_convert.py", "2": "ex2_by_hand.py", "3": "ex3_sampler.py", "4": "ex4_overlap.py",
+                "5": "ex5_zero1.py", "6a": "ex6a_debug.py", "6b": "ex6b_debug.py", "6c": "ex6c_debug.py",
+                "7": "ex7_tp.py", "8": "ex8_pipeline.py", "9": "ex9_experts.py"}
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str  # the exercise
+    name: str
+    expect: str  # the diagnosis the first hint must be for; "pass" for a correct alternative
+    edits: tuple = ()  # (old, new): each old text must be in the solution; replaced everywhere
+    cls: str = ""  # the class of checker error it guards against (above)
+    text: str | None = None  # a whole script instead of edits
+
+    @property
+    def correct(self) -> bool:
+        return self.expect == "pass"
+
+    @property
+    def id(self) -> str:
+        return f"{self.key}/{self.name}"
+
+    def script(self) -> str:
+        if self.text is not None:
+            return self.text
+        return mutate(self.key, *self.edits)
+
+
+def mutate(key: str, *edits: tuple[str, str]) -> str:
+    """The reference solution of an exercise with each (old, new) replaced; every old text must be there."""
+    text = (SOLUTIONS / SCRIPT_NAMES[key]).read_text()
+    for old, new in edits:
+        if old not in text:
+            raise ValueError(f"the solution of exercise {key} no longer contains {old!r}")
+        text = text.replace(old, new)
+    return text
+
+
+def _cases() -> list[Case]:
+    from course.exercises.mutations import core, deep, parallel
+
+    return [*core.CASES, *deep.CASES, *parallel.CASES]
+
+
+CASES: list[Case] = _cases()
+MISTAKES = [c for c in CASES if not c.correct]
+ALTERNATIVES = [c for c in CASES if c.correct]
+
+
+def by_key(key: str) -> list[Case]:
+    return [c for c in CASES if c.key == key]
+
+
+def get(case_id: str) -> Case:
+    return next(c for c in CASES if c.id == case_id)
