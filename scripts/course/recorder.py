@@ -6,24 +6,24 @@ exercise checker and by the DDP doctor; not started by learners).
 Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
 records facts that the script cannot fake or forget to report:
 - the files it wrote (an audit hook sees every ``open`` for writing and every rename; ``torch.save`` too);
-- every ``torch.distributed`` collective it called from Python (time, its line in the script, asynchronous
-  or not and, if so, when its handle was first waited on), and at exit the flight recorder's entries: every
-  collective the process group ran, DDP's own gradient all-reduces included;
-- ``init_process_group``: called or not, the backend, rank and world size it ended with;
-- when each ``backward()`` started and ended, and each optimizer step; the optimizer-state bytes;
-- the indices each ``DistributedSampler`` yielded, with its epoch;
-- with ``COURSE_RECORD_TRAINING=1`` (the doctor), more: ``recorder_training.py``.
+- every ``torch.distributed`` collective it called from Python, and ``init_process_group``
+  (``recorder_collectives.py``); at exit the flight recorder's entries: every collective the process group
+  ran, DDP's own gradient all-reduces included;
+- when each ``backward()`` started and ended, when each optimizer step ran, and when autograd called each
+  hook registered with ``register_post_accumulate_grad_hook`` (``grad_ready``: a gradient is complete);
+  the optimizer-state bytes; the indices each ``DistributedSampler`` yielded, with its epoch;
+- with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
 
-Settings (environment): ``COURSE_RECORD_OUT`` the folder of the records (``runner_rank<RANK>.json``,
-written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT`` seconds that replace the
-script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the
-script overwrites (older than ``COURSE_RECORD_SINCE``) is copied first, for the caller to restore. A file ``dump-now`` appearing in the out folder
-makes every rank write ``stuck_rank<RANK>.json``: where its main thread is and its last collectives (a hang).
+Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``,
+written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT``, seconds that replace the
+script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the script
+overwrites (one older than ``COURSE_RECORD_SINCE``) is copied first, for the caller to restore. A file
+``dump-now`` appearing in the out folder makes every rank write ``stuck_rank<RANK>.json``: where its main
+thread is and its last collectives (a hang), and its record so far.
 """
 
 import atexit
 import hashlib
-import inspect
 import json
 import os
 import runpy
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 
-OUT = os.path.abspath(os.environ.get("COURSE_RECORD_OUT") or os.environ.get("COURSE_EXERCISE_OUT") or ".")
+OUT = os.path.abspath(os.environ.get("COURSE_RECORD_OUT") or ".")
 RANK = os.environ.get("RANK", "0")
 TRAINING = os.environ.get("COURSE_RECORD_TRAINING", "0") not in ("", "0")
 PROTECT = os.environ.get("COURSE_RECORD_PROTECT", "0") not in ("", "0")
@@ -47,7 +47,7 @@ IGNORED_PARTS = ("/torchinductor_", "/triton", "/course-torchrun-", "__pycache__
 T0 = time.perf_counter()
 record = {"rank": int(RANK), "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                      "LOCAL_WORLD_SIZE", "GROUP_RANK")},
-          "writes": [], "created": [], "protected": {}, "collectives": [], "backward": [], "steps": [],
+          "writes": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
           "samplers": [], "state_bytes": 0, "pg": None, "fr": [], "script": SCRIPT, "dirs": [], "errors": [],
           "t0_ns": time.time_ns()}
 
@@ -75,7 +75,7 @@ def _mine(path: str) -> bool:
     """Whether a write counts: inside OUT for the checker's scripts; anywhere but caches for the doctor's."""
     if TRAINING:
         return not (path.startswith(IGNORED) or path.startswith(OUT + os.sep) or any(p in path for p in IGNORED_PARTS))
-    return path.startswith(OUT + os.sep) and not os.path.basename(path).startswith(("runner_rank", "stuck_rank"))
+    return path.startswith(OUT + os.sep) and not os.path.basename(path).startswith(("record_rank", "stuck_rank"))
 
 
 def _protect(path: str) -> None:
@@ -160,7 +160,7 @@ def _save(name: str, data: dict) -> None:
 def _save_record():
     record["fr"] = flight_recorder()
     record["seconds"] = now()
-    _save(f"runner_rank{RANK}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
+    _save(f"record_rank{RANK}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
 
 
 def _watch(main_ident: int):
@@ -183,89 +183,13 @@ def _watch(main_ident: int):
             time.sleep(0.05)
 
 
-class _Handle:
-    """An asynchronous collective's handle (torch's Work), noting when it is first waited on."""
-
-    def __init__(self, work, entry):
-        self._work, self._entry = work, entry
-
-    def _waited(self):
-        if self._entry["waited"] is None:
-            self._entry["waited"] = now()
-
-    def wait(self, *args, **kwargs):
-        result = self._work.wait(*args, **kwargs)
-        self._waited()
-        return result
-
-    def get_future(self):
-        self._waited()  # a future's wait() is the learner's; counted as waited when it is asked for
-        return self._work.get_future()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 def _instrument():
     import torch
-    import torch.distributed as dist
     from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    global TORCH
-    TORCH = os.path.dirname(torch.__file__) + os.sep
     from torch.utils.data import DistributedSampler
 
-    def counted(name, fn):
-        try:
-            signature = inspect.signature(fn)
-        except (TypeError, ValueError):
-            signature = None
-
-        def wrapper(*args, **kwargs):
-            try:
-                asynchronous = bool(signature.bind(*args, **kwargs).arguments.get("async_op")) if signature \
-                    else bool(kwargs.get("async_op"))
-            except TypeError:
-                asynchronous = bool(kwargs.get("async_op"))
-            internal = sys._getframe(1).f_code.co_filename.startswith(TORCH)  # DDP's, Join's, FSDP's own calls
-            entry = {"op": name, "t": now(), "async": asynchronous, "waited": None, "where": where(),
-                     "internal": internal}
-            if TRAINING:
-                entry["in_forward"] = training.state["depth"] > 0
-            record["collectives"].append(entry)
-            record["current"] = entry
-            try:
-                work = fn(*args, **kwargs)
-            except Exception as error:
-                entry["error"] = str(error)[:300]
-                raise
-            record["current"] = None
-            # torch's own callers hand the handle to C++, which needs the real one
-            return _Handle(work, entry) if asynchronous and work is not None and not internal else work
-        wrapper.__wrapped__ = fn
-        return wrapper
-
-    for name in ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                 "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
-                 "all_gather_object", "broadcast_object_list", "send", "recv", "isend", "irecv",
-                 "batch_isend_irecv", "monitored_barrier"):
-        if hasattr(dist, name):
-            setattr(dist, name, counted(name, getattr(dist, name)))
-
-    init = dist.init_process_group
-
-    def recorded_init(*args, **kwargs):
-        asked = dict(kwargs)
-        if PG_TIMEOUT:  # a hang ends in seconds instead of the default 10-30 min
-            from datetime import timedelta
-
-            kwargs["timeout"] = timedelta(seconds=PG_TIMEOUT)
-        record["pg"] = {"where": where(), "rank_arg": asked.get("rank"), "world_size_arg": asked.get("world_size")}
-        result = init(*args, **kwargs)
-        record["pg"].update(backend=str(dist.get_backend()), rank=dist.get_rank(), world_size=dist.get_world_size())
-        return result
-
-    dist.init_process_group = recorded_init
+    recorder_collectives.install(record, now, where, PG_TIMEOUT,
+                                 depth=(lambda: training.state["depth"]) if TRAINING else None)
 
     save = torch.save  # writes through C++ (no audit event for the file): record its path here
 
@@ -300,6 +224,16 @@ def _instrument():
 
     register_optimizer_step_post_hook(after_step)
 
+    register_hook = torch.Tensor.register_post_accumulate_grad_hook
+
+    def recorded_register(self, hook):
+        def ready(*args, **kwargs):  # called by autograd during backward(): one more gradient complete
+            record["grad_ready"].append(now())
+            return hook(*args, **kwargs)
+        return register_hook(self, ready)
+
+    torch.Tensor.register_post_accumulate_grad_hook = recorded_register
+
     sampler_iter = DistributedSampler.__iter__
 
     def recorded_iter(self):
@@ -314,9 +248,11 @@ def _instrument():
 def main():
     script, *script_args = sys.argv[1:]
     sys.argv = [script, *script_args]
-    global training
+    global training, recorder_collectives
+    import recorder_collectives  # this file's folder is still sys.path[0] here: its siblings import by name
+
     if TRAINING:
-        import recorder_training as training  # this file's folder is still sys.path[0] here
+        import recorder_training as training
 
         training.install(record, now)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
@@ -337,8 +273,7 @@ def main():
         raise
 
 
-training = None
-TORCH = ""
+training = recorder_collectives = None
 
 if __name__ == "__main__":
     main()

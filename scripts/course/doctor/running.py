@@ -122,7 +122,7 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False) -> Run:
     finally:
         done.set()
     (out / "output.txt").write_text(output)
-    records = _read(out, "runner_rank")
+    records = _read(out, "record_rank")
     run = Run(job, code, output, records, _read(out, "stuck_rank"), time.monotonic() - start, failure)
     _put_back(run, out)
     return run
