@@ -115,3 +115,14 @@ def test_bad_input_gets_one_line_and_status_2(argv, message):
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.notebook
+def test_notebook_09b_finds_the_three_mistakes_and_none_after_the_fixes():
+    """Read from the notebook's own headless run (conftest.executed_notebook), not launched again."""
+    from conftest import executed_notebook
+
+    run = executed_notebook("09b_check_your_script").require_ok()
+    text = run.output()
+    assert "before the fixes: 3 mistake(s) (set-epoch, eval-one-shard, rank-writes); after: 0" in text, text[-2000:]
+    assert "PASS: 1004 samples counted for 1001" in text

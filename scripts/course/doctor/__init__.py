@@ -17,6 +17,7 @@ What it finds is made from what the run did (``rules_data``, ``rules_sync``), ne
 alone: a hint read from the source is labelled as such. ``running`` launches, ``report`` formats.
 """
 
+import os
 import re
 import shutil
 import time
@@ -63,7 +64,8 @@ def diagnose(run: Run) -> Report:
     job, records = run.job, run.records
     shape = f"{job.nodes} nodes x {job.nproc // job.nodes}" if job.nodes > 1 else "1 node"
     cut = f"DataLoader passes cut to {job.steps} batches" if job.steps else "passes not cut"
-    report = Report(str(job.script), f"{job.nproc} processes ({shape}); {cut}", seconds=run.seconds)
+    shown = os.path.relpath(job.script, job.cwd) if job.script.is_relative_to(job.cwd) else str(job.script)
+    report = Report(shown, f"{job.nproc} processes ({shape}); {cut}", seconds=run.seconds)
     facts = Facts(str(job.cwd.resolve()))
     if len(records) < job.nproc and run.returncode in (0, None):
         report.error = f"the script ended before every rank recorded anything ({len(records)} of {job.nproc})"
