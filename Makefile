@@ -48,6 +48,7 @@ bench: data
 	$(PY) -m course.bench_launcher
 	$(PY) -m course.bench_noise
 	$(PY) -m course.bench_checker
+	$(PY) -m course.bench_doctor
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

@@ -1,8 +1,8 @@
 # Written by notebooks/04_pitfalls.ipynb - edit it there; running the notebook rewrites this file.
 """Pitfall 2 of notebook 04: DistributedSampler without set_epoch(epoch) repeats one order every epoch.
 
-    torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py --bug        # never calls set_epoch
-    torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py              # calls it every epoch
+    torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py              # never calls set_epoch
+    torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py --fix        # calls it every epoch
     torchrun --standalone --nproc-per-node=2 scripts/pitfall_set_epoch.py --compare 3  # both, 3 seeds each
 Each rank prints the first indices its sampler gives, per epoch (the diagnosis), then the val accuracy.
 """
@@ -59,7 +59,7 @@ def train(args, call_set_epoch: bool, seed: int, train_set, val_part, num_classe
 @record
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bug", action="store_true", help="never call sampler.set_epoch")
+    parser.add_argument("--fix", action="store_true", help="call sampler.set_epoch every epoch")
     parser.add_argument("--compare", type=nonnegative_int, default=0,
                         help="run both versions, interleaved, with this many seeds each (0: one run)")
     parser.add_argument("--epochs", type=positive_int, default=3)
@@ -90,8 +90,8 @@ def main():
                           for case in (False, True)}, repeats=args.compare, unit="val accuracy")
         log.finish(comparison=result.to_dict(), world_size=world_size)
     else:
-        accuracy = train(args, not args.bug, args.seed, *data)
-        log.finish(val_accuracy=accuracy, set_epoch=not args.bug, world_size=world_size)
+        accuracy = train(args, args.fix, args.seed, *data)
+        log.finish(val_accuracy=accuracy, set_epoch=args.fix, world_size=world_size)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 

@@ -34,12 +34,17 @@ Used by notebooks and tests:
   drawings each
 - ``course.choose``      which parallelism fits: memory and communication per layout (notebook 12's table)
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
-- ``course.exercises``   notebook 09's checker, a package (its ``runner.py`` records a learner's script)
+- ``course.recorder``    run a script under torchrun and record what each rank did (``recorder_collectives``,
+  ``recorder_training``): the one recorder of the exercise checker and the doctor
+- ``course.exercises``   notebook 09's checker, a package: exercises checked against a one-process reference
+- ``course.doctor``      the DDP doctor, a package: runs a learner's own script and names its mistakes (09b)
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.times``       the course's times, one source (``notebooks/times.json``) for the README and every header
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
-- ``course.bench_launcher`` / ``course.bench_noise``  benchmarks (``make bench``): the launcher's overhead, and no
-  faster/slower verdict for equal work on a busy machine
+- ``course.bench_launcher`` / ``course.bench_noise`` / ``course.bench_checker`` / ``course.bench_doctor``
+  benchmarks (``make bench``): the launcher's overhead; no faster/slower verdict for equal work and always one for
+  a large difference; how often the exercise checker and the doctor are right, and what the recorder costs
+- ``course.setup_torch``  ``make setup TORCH=cpu``: PyTorch's CPU-only build where its index answers
 """
 
 import os

@@ -1,6 +1,6 @@
 """Reading and running a learner's script: what is reported without running anything (a missing file, a syntax
 error, gaps still marked ``...  # TODO``), launching it on ``NPROC`` processes under the recorder
-(``runner.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
+(``course/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
 into a verdict that names the rank and the line of the learner's script, and calling learner code in this
 process under a time limit (exercises checked without processes).
 """
@@ -23,7 +23,7 @@ from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
 from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 
-RUNNER = Path(__file__).parent / "runner.py"
+RECORDER = Path(__file__).parents[1] / "recorder.py"
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
 LAUNCH_TIMEOUT_S = 90  # wall-clock limit of a whole launch (a loop that never ends); check(timeout=) changes it
 CALL_LIMIT_S = 10  # a call into learner code made in this process
@@ -69,7 +69,7 @@ def static_check(path: Path) -> Verdict | None:
 class Run:
     returncode: int | None  # None: stopped at the wall-clock limit
     output: str
-    records: dict  # rank -> what runner.py recorded
+    records: dict  # rank -> what course/recorder.py recorded
     out: Path
     seconds: float
 
@@ -89,8 +89,8 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
     lines: list[str] = []
     start = time.monotonic()
     try:
-        result = torchrun(RUNNER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
-                          backend=backend, env={"COURSE_EXERCISE_OUT": str(work)}, timeout=timeout, check=False,
+        result = torchrun(RECORDER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
+                          backend=backend, env={"COURSE_RECORD_OUT": str(work)}, timeout=timeout, check=False,
                           quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
         code, output = result.returncode, result.output
     except LaunchError as error:  # stopped at the wall-clock limit
@@ -98,9 +98,9 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
     output = output or "".join(lines)  # the whole output: the streamed lines fold repeats across ranks
     (work / "output.txt").write_text(output)
     records = {}
-    for f in work.glob("runner_rank*.json"):
+    for f in work.glob("record_rank*.json"):
         try:
-            records[int(f.stem.removeprefix("runner_rank"))] = json.loads(f.read_text())
+            records[int(f.stem.removeprefix("record_rank"))] = json.loads(f.read_text())
         except ValueError:
             pass
     return Run(code, output, records, work, time.monotonic() - start)

@@ -1,0 +1,234 @@
+"""The DDP doctor: runs a learner's own torchrun-ready training script on several processes under the recorder and
+names its data-parallel mistakes, each with the run's evidence, the fix and the lesson that teaches it.
+
+    python -m course.doctor train.py --epochs 2            # from a shell: a report, exit status 0 / 1 / 2
+    from course.doctor import check                        # from a notebook: the same report as a table
+    report = check("train.py", args=["--epochs", "2"])
+
+What it runs: the script as torchrun would (its own arguments, its working directory), on 2 processes (one per
+GPU where there are 2 or more; on a CPU machine as 2 nodes of 1 process, so that LOCAL_RANK differs from RANK as
+on a cluster), each training pass over a DataLoader cut to ``steps`` batches, the process-group timeout cut to
+``hang_after`` seconds, the whole job to ``timeout``; nothing is left running. Afterwards your folders are as they
+were: files the script overwrote are restored, files it created are moved to ``runs/doctor/<script>/files``.
+With ``compare_batch_arg="--batch-size"`` it also runs 1 process with that argument's value (the global batch)
+and N processes with 1/N of it, and compares the first steps' losses (notebook 03's proof, on your script).
+
+What it finds is made from what the run did (``rules_data``, ``rules_sync``), never from reading the source
+alone: a hint read from the source is labelled as such. ``running`` launches, ``report`` formats.
+"""
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course import RUNS
+from course.doctor import rules_data, rules_sync
+from course.doctor.report import Finding, Report
+from course.doctor.running import Job, Run, run
+
+__all__ = ["Finding", "Job", "Report", "check", "diagnose"]
+
+
+@dataclass
+class Facts:
+    """What the rules found, checked and could not check, as they go."""
+
+    cwd: str
+    findings: list = field(default_factory=list)
+    checked: list = field(default_factory=list)
+    unchecked: list = field(default_factory=list)
+    model_parallel: str = ""
+
+    def add(self, finding: Finding) -> None:
+        if not any(f.code == finding.code for f in self.findings):
+            self.findings.append(finding)
+
+    def fold_symptoms(self) -> None:
+        """A hang whose cause was found is told as that cause's consequence, not as a second mistake."""
+        symptom = next((f for f in self.findings if f.code in SYMPTOMS), None)
+        cause = next((f for f in self.findings if f.code in CAUSES), None)
+        if symptom and cause:
+            self.findings.remove(symptom)
+            cause.evidence += f"; the job then hung: {symptom.evidence}"
+
+
+CUT = ("StopIteration",)  # a cut pass ended a loop that draws more batches than the loader's length
+SYMPTOMS, CAUSES = ("hang", "collective-mismatch"), ("uneven-batches", "local-rank", "eval-one-shard")
+
+
+def diagnose(run: Run) -> Report:
+    """The report of one run: every rule applied to what the recorder saw."""
+    job, records = run.job, run.records
+    shape = f"{job.nodes} nodes x {job.nproc // job.nodes}" if job.nodes > 1 else "1 node"
+    cut = f"DataLoader passes cut to {job.steps} batches" if job.steps else "passes not cut"
+    shown = os.path.relpath(job.script, job.cwd) if job.script.is_relative_to(job.cwd) else str(job.script)
+    report = Report(shown, f"{job.nproc} processes ({shape}); {cut}", seconds=run.seconds)
+    facts = Facts(str(job.cwd.resolve()))
+    if len(records) < job.nproc and run.returncode in (0, None):
+        report.error = f"the script ended before every rank recorded anything ({len(records)} of {job.nproc})"
+    hung = rules_sync.hangs(run, facts)
+    complete = len(records) == job.nproc  # rules that compare ranks need every rank's record
+    if complete and rules_sync.process_group(records, facts):
+        facts.model_parallel = rules_sync.model_parallel(records)
+        rules_sync.devices(records, facts)
+        if facts.model_parallel:
+            facts.unchecked.append(f"replicas, gradients and the data split: the ranks' models are not replicas "
+                                   f"({facts.model_parallel})")
+        elif rules_sync.sharded(records):
+            facts.unchecked.append("replicas and gradients: each rank holds a shard of the parameters (FSDP)")
+            rules_data.sharding(records, facts)
+        else:
+            rules_data.sharding(records, facts)
+            rules_sync.gradients(records, facts)
+            rules_sync.replicas(records, facts)
+        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_sync.accumulation,
+                     rules_sync.ddp_settings, rules_data.oversubscribed):
+            rule(records, facts)
+    if records:
+        rules_data.writes(records, facts)
+    rules_sync.own_error(run, facts)
+    if run.returncode not in (0, None) and not hung and not report.error:
+        report.error = f"the script failed on its own (exit code {run.returncode}): {_own_failure(run)}"
+    elif run.timed_out and not hung:
+        report.error = (f"the job was still running after {job.timeout:.0f} s, every rank at the same collective, "
+                        "and was stopped: give it a larger --timeout or fewer --steps per pass")
+    facts.fold_symptoms()
+    report.findings, report.checked, report.unchecked = facts.findings, facts.checked, facts.unchecked
+    report.hints = _hints(job.script, facts)
+    if run.moved or run.restored:
+        report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
+                        f"{len(run.moved)} new file(s) moved to the doctor's folder")
+    return report
+
+
+VICTIM = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def _own_failure(run: Run) -> str:
+    """The first rank that failed by an error of its own (not one that only saw another die): from the records,
+    else the launcher's account of the output."""
+    errors = [(rec.get("t0_ns", 0) / 1e9 + e.get("t", 0), r, e) for r, rec in run.records.items()
+              for e in rec.get("errors", []) if e["in"] == "script" and not any(v in e["error"] for v in VICTIM)]
+    if not errors:
+        return "\n" + run.failure
+    _, rank, error = min(errors, key=lambda item: item[0])
+    where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
+    return f"rank {rank}{where}: {error['error']}"
+
+
+def _hints(script: Path, facts: Facts) -> list:
+    """What the source suggests where the run could not tell (never a finding on its own)."""
+    try:
+        source = script.read_text()
+    except OSError:
+        return []
+    hints = []
+    if any("order from epoch" in u for u in facts.unchecked) and "DistributedSampler" in source \
+            and "set_epoch" not in source:
+        hints.append("the script uses DistributedSampler and never calls set_epoch")
+    return hints
+
+
+def _compare(job: Job, arg: str, work: Path, report: Report, n_run: Run) -> None:
+    """1 process with the global batch against the N-process run's first losses."""
+    one = Job(job.script, list(job.args), nproc=1, nodes=1, cwd=job.cwd, timeout=job.timeout,
+              hang_after=job.hang_after, steps=job.steps)
+    index = _arg_index(one.args, arg)
+    one.args[index] = str(int(one.args[index]) * job.nproc)
+    single = run(one, work / "one_process")
+
+    def per_step(records):
+        losses = [{s: sum(x["v"] for x in rec["losses"] if x["step"] == s and x["v"] is not None)
+                   for s in {x["step"] for x in rec.get("losses", [])}} for rec in records.values()]
+        return [sum(ls[s] for ls in losses) / len(losses) for s in sorted(set.intersection(*map(set, losses)))]
+
+    a, b = per_step(single.records) if single.records else [], per_step(n_run.records) if n_run.records else []
+    n = min(len(a), len(b), 5)
+    if n == 0:
+        report.unchecked.append("1 process against N (a run recorded no loss)")
+        return
+    close = [abs(x - y) <= 1e-4 * max(abs(x), abs(y), 1e-8) for x, y in zip(a[:n], b[:n])]
+    shown = ", ".join(f"{x:.5f}/{y:.5f}" for x, y in zip(a[:n], b[:n]))
+    if not close[0]:
+        report.unchecked.append(f"1 process against {job.nproc}: the first losses differ already ({shown}): "
+                                "different samples in the first batch, or random layers (dropout, augmentation)")
+    elif not all(close):
+        k = close.index(False)
+        report.findings.append(Finding(
+            "not-equivalent", f"{job.nproc} processes do not train as 1 process on the global batch: the first "
+            f"losses agree, then step {k} differs.", f"losses (1 process / {job.nproc} processes, mean over ranks): "
+            f"{shown}", "average the gradients (DDP does) and keep the learning rate and the global batch as on "
+            "one process"))
+    else:
+        report.checked.append(f"1 process against {job.nproc} (the first {n} steps' losses equal to 1e-4)")
+
+
+def _arg_index(args: list, name: str) -> int:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args) and re.fullmatch(r"\d+", args[i + 1]):
+            return i + 1
+        if a.startswith(name + "="):
+            args[i:i + 1] = [name, a.split("=", 1)[1]]
+            return i + 1
+    raise ValueError(f"--compare-batch-arg={name}: the script's arguments hold no `{name} N` to split")
+
+
+def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None, timeout: float = 180,
+          hang_after: float = 30, steps: int = 8, compare_batch_arg: str | None = None, cwd=None,
+          folder=None, show: bool = True, on_line=None) -> Report:
+    """Run the doctor on ``script`` (see the module's docstring); show and return the report.
+    cwd: the script's working directory (default: this process's); folder: where the records, the report and
+    the files the run created go (default runs/doctor/<script name>; claimed: one doctor run at a time).
+    Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad argument."""
+    from course.hardware import accelerator
+    from course.rundir import STAGING, claim_run_dir, publish
+
+    path = Path(script).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"no such script: {script}")
+    acc, count = accelerator()
+    gpus = count if acc and acc != "mps" else 0
+    nproc = nproc or (max(gpus, 2))
+    nodes = nodes or (1 if gpus >= 2 else nproc)
+    if nproc < 2 or nproc % nodes:
+        raise ValueError(f"nproc={nproc}, nodes={nodes}: the doctor needs 2 processes or more, split evenly over nodes")
+    job = Job(path, [str(a) for a in args], nproc, nodes, Path(cwd or Path.cwd()).resolve(), timeout, hang_after,
+              steps)
+    if compare_batch_arg:
+        index = _arg_index(job.args, compare_batch_arg)
+        if int(job.args[index]) % nproc:
+            raise ValueError(f"{compare_batch_arg} {job.args[index]} does not split over {nproc} processes")
+        job.args[index] = str(int(job.args[index]) // nproc)
+    folder = Path(folder) if folder else RUNS / "doctor" / path.stem
+    start = time.monotonic()
+    with claim_run_dir(folder):
+        work = folder / STAGING
+        shutil.rmtree(work, ignore_errors=True)
+        n_run = run(job, work / "job", on_line=on_line)
+        if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
+            job.steps = 0
+            n_run = run(job, work / "job-uncut", on_line=on_line)
+        report = diagnose(n_run)
+        if compare_batch_arg and not report.error:
+            _compare(job, compare_batch_arg, work, report, n_run)
+        report.seconds = time.monotonic() - start
+        (work / "report.txt").write_text(report.text() + "\n")
+        (work / "report.json").write_text(report.to_json())
+        publish(folder, work)
+    if show:
+        _show(report)
+    return report
+
+
+def _show(report: Report) -> None:
+    from course.notebook import in_notebook
+
+    if in_notebook():
+        from IPython.display import HTML, display
+
+        display(HTML(report.html()))
+    else:
+        print(report.text(), flush=True)

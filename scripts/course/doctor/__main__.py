@@ -1,0 +1,47 @@
+"""``python -m course.doctor [options] SCRIPT [ARGS...]``: check a torchrun-ready training script for data-parallel
+mistakes. Exit status: 0 nothing wrong (cost notes allowed), 1 a mistake found, 2 could not check."""
+
+import argparse
+import sys
+
+from course.args import nonnegative_int, positive_float, positive_int
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every bad input gets (no usage block)
+        self.exit(2, f"error: {message} (python -m course.doctor --help)\n")
+
+
+def main(argv=None) -> int:
+    parser = Parser(
+        prog="python -m course.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Everything after SCRIPT goes to the script. Files it overwrites are restored afterwards; files it "
+               "creates are moved to runs/doctor/<script>/files.")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="processes (default: 2, or one per GPU)")
+    parser.add_argument("--nodes", type=positive_int, default=None,
+                        help="simulated nodes (default: one per process on a CPU machine, 1 with GPUs)")
+    parser.add_argument("--timeout", type=positive_float, default=180, help="seconds for the whole job")
+    parser.add_argument("--hang-after", type=positive_float, default=30,
+                        help="the process-group timeout the script gets: a hang ends after it")
+    parser.add_argument("--steps", type=nonnegative_int, default=8, help="batches per pass over a DataLoader (0: all)")
+    parser.add_argument("--compare-batch-arg", default=None, metavar="FLAG",
+                        help="e.g. --batch-size: also run 1 process with FLAG's value and compare the first losses")
+    parser.add_argument("--show-output", action="store_true", help="stream the script's own output")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    options = parser.parse_args(argv)
+    from course.doctor import check
+
+    try:
+        report = check(options.script, options.args, options.nproc, nodes=options.nodes, timeout=options.timeout,
+                       hang_after=options.hang_after, steps=options.steps,
+                       compare_batch_arg=options.compare_batch_arg,
+                       on_line=(lambda line: print(line, end="", flush=True)) if options.show_output else None)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return report.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

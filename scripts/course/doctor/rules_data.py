@@ -1,0 +1,235 @@
+"""The doctor's rules about data and files, each made from what the run did (``recorder_training``'s record of
+every pass over a DataLoader, every training forward's input, every file written): the data split between the
+ranks, its order from epoch to epoch, evaluation, batches per rank, and files written by several ranks.
+
+Each rule takes the records (rank -> record) and the ``Facts`` being built, and adds findings, what it checked
+and what it could not check."""
+
+import itertools
+import os
+import re
+from collections import Counter
+
+from course.doctor.report import COST, Finding
+
+SHUFFLED = ("DistributedSampler", "RandomSampler")
+
+
+def _first(indices, n=5) -> str:
+    return ", ".join(map(str, indices[:n])) + (" ..." if len(indices) > n else "")
+
+
+def passes(rec: dict, train: bool) -> list:
+    return [p for p in rec.get("loaders", []) if p["train"] == train]
+
+
+def by_loader(rec: dict, train: bool) -> list:
+    """A rank's passes grouped by DataLoader, loaders in the order they were first used."""
+    groups: dict = {}
+    for p in passes(rec, train):
+        groups.setdefault(p["loader"], []).append(p)
+    return list(groups.values())
+
+
+def _local_rank_hint(records) -> str:
+    if len(records) > 1 and all((r["env"].get("LOCAL_RANK") or "0") == "0" for r in records.values()):
+        return (" (this run had one process per simulated node, so LOCAL_RANK was 0 on every rank: if the script "
+                "tests LOCAL_RANK where it means the global rank, use RANK)")
+    return ""
+
+
+def sharding(records: dict, facts) -> None:
+    """The ranks' training samples: split between them (no overlap, nothing left out) or not."""
+    ranks = sorted(records)
+    first = [passes(records[r], True) for r in ranks]
+    if not all(first):
+        _inputs(records, facts)
+        return
+    a = [f[0] for f in first]  # the first training pass of every rank
+    size = a[0]["size"]
+    facts.checked.append(f"data split ({a[0]['count']} samples per rank and pass, dataset of {size})")
+    shared = set(a[0]["indices"]).intersection(*(set(p["indices"]) for p in a[1:]))
+    whole = all(p["count"] + p["count"] // max(p["batches"], 1) >= p["size"] for p in a)  # drop_last: a batch less
+    if size and whole and len(shared) * 2 >= a[0]["count"]:
+        same = all(p["indices"] == a[0]["indices"] for p in a)
+        facts.add(Finding(
+            "not-sharded", "The ranks' training data is not split: every rank goes through the whole dataset"
+            + (" in the same order (identical batches)." if same else ", each in its own order."),
+            f"the {a[0]['sampler']} of each of the {len(ranks)} ranks yields all {size} samples per pass"
+            + (f"; both start with samples {_first(a[0]['indices'])}" if same else ""),
+            "give the DataLoader `sampler=DistributedSampler(dataset)` (and shuffle=False on the DataLoader), "
+            "so that each rank takes 1/world_size of the samples"))
+        return
+    counts = Counter(i for p in a for i in set(p["indices"]))
+    twice = sorted(i for i, c in counts.items() if c > 1)
+    padding = max((p["distributed"] or {}).get("total_size", size or 0) - (size or 0) for p in a) if size else 0
+    if len(twice) > padding:
+        facts.add(Finding(
+            "shard-overlap", "The ranks' training samples overlap: several ranks train on the same samples.",
+            f"{len(twice)} samples are in the shards of two or more ranks in the first pass (e.g. {_first(twice)})"
+            + (f"; sampler rank/num_replicas: {[(p['distributed'] or {}).get('rank') for p in a]}/"
+               f"{a[0]['distributed'].get('num_replicas')}" if a[0]["distributed"] else ""),
+            "create DistributedSampler(dataset) without rank= or num_replicas= (it reads them from the process "
+            "group), or pass dist.get_rank() and dist.get_world_size()" + _local_rank_hint(records)))
+    elif a[0]["distributed"] and a[0]["distributed"]["num_replicas"] > len(ranks):
+        facts.add(Finding(
+            "shard-gap", "The ranks' shards leave samples out: the sampler splits the data for more ranks than run.",
+            f"DistributedSampler(num_replicas={a[0]['distributed']['num_replicas']}) on {len(ranks)} ranks: "
+            f"{sum(p['count'] for p in a)} of {size} samples per pass are used",
+            "let DistributedSampler take num_replicas and rank from the process group"))
+
+
+def _inputs(records: dict, facts) -> None:
+    """No DataLoader pass recorded: compare the inputs of the ranks' training forwards instead."""
+    fps = [[f["x"] for f in records[r].get("forwards", [])] for r in sorted(records)]
+    n = min(map(len, fps)) if fps else 0
+    if n == 0:
+        facts.unchecked.append("data split (no training forward recorded)")
+        return
+    same = sum(all(f[k] is not None and f[k] == fps[0][k] for f in fps) for k in range(n))
+    facts.checked.append(f"data split ({n} training inputs per rank compared; no DataLoader pass recorded)")
+    if same >= max(2, n // 2) and not facts.model_parallel:
+        facts.add(Finding(
+            "not-sharded", "The ranks train on identical inputs.",
+            f"{same} of the first {n} training forwards got the same input on every rank",
+            "give each rank its own part of the data (DistributedSampler, or a seed/offset that depends on the "
+            "rank)"))
+
+
+def epoch_order(records: dict, facts) -> None:
+    """A shuffled sampler must give each epoch a new order (DistributedSampler: set_epoch before the loop)."""
+    checked = False
+    for r in sorted(records):
+        for group in by_loader(records[r], True):
+            if len(group) < 2 or group[0]["sampler"] not in SHUFFLED:
+                continue
+            if group[0]["distributed"] and not group[0]["distributed"]["shuffle"]:
+                continue
+            checked = True
+            for prev, cur in itertools.pairwise(group):
+                if prev["indices"] and prev["indices"] == cur["indices"]:
+                    epochs = [p["distributed"]["epoch"] for p in (prev, cur)] if prev["distributed"] else None
+                    facts.add(Finding(
+                        "set-epoch", "The training data comes in the same order every epoch.",
+                        f"rank {r}'s {prev['sampler']} gave two passes in a row the same order (first samples "
+                        f"{_first(cur['indices'])})"
+                        + (f"; its epoch was {epochs[0]} both times" if epochs and epochs[0] == epochs[1] else ""),
+                        "call sampler.set_epoch(epoch) at the start of every epoch, before the loop over the "
+                        "DataLoader" if prev["distributed"] else "seed the sampler's generator with the epoch"))
+                    return
+    if checked:
+        facts.checked.append("sample order from epoch to epoch")
+    elif any(len(g) == 1 for r in records.values() for g in by_loader(r, True)):
+        facts.unchecked.append("the order from epoch to epoch (one pass per DataLoader: run 2 epochs or more)")
+
+
+def uneven(records: dict, facts) -> None:
+    """Different numbers of training batches per rank: the rank with more waits for the others at its last ones."""
+    lengths = {r: [p["batches"] for p in passes(rec, True)][:1] for r, rec in records.items()}
+    if not all(lengths.values()):
+        return
+    facts.checked.append("batches per rank and pass")
+    counts = {r: v[0] for r, v in lengths.items()}
+    if len(set(counts.values())) > 1 and not any(rec.get("join") for rec in records.values()):
+        facts.add(Finding(
+            "uneven-batches", "The ranks have different numbers of training batches per epoch: at the end, the "
+            "ranks with more wait forever for the others in DDP's all-reduce.",
+            ", ".join(f"rank {r}: {n} batches" for r, n in sorted(counts.items())),
+            "make the shards equal (DistributedSampler pads them; or drop_last=True), or wrap the loop in "
+            "`with Join([model]):`"))
+
+
+def _collective_after(rec: dict, start: float, end: float | None) -> bool:
+    t0 = rec.get("t0_ns", 0)
+    times = [c["t"] for c in rec.get("collectives", []) if c["op"] not in ("barrier", "monitored_barrier")]
+    times += [(e["time_created_ns"] - t0) / 1e9 for e in rec.get("fr", []) if e.get("time_created_ns")
+              and "barrier" not in (e.get("profiling_name") or "")]
+    return any(t >= start and (end is None or t <= end) for t in times)
+
+
+def evaluation(records: dict, facts) -> None:
+    """Evaluation passes: the sampler's padding counted, or only one rank's shard evaluated."""
+    evals = {r: passes(rec, False) for r, rec in records.items()}
+    if not any(evals.values()):
+        facts.unchecked.append("evaluation (no DataLoader pass without gradients recorded)")
+        return
+    facts.checked.append("evaluation passes")
+    ranks = sorted(records)
+    first = {r: evals[r][0] for r in ranks if evals[r]}
+    one = next(iter(first.values()))
+    size, count = one["base"], one["count"]  # the whole validation set, and what one rank evaluated
+    if len(first) < len(ranks) and size and count < size:
+        who = ", ".join(f"rank {r}" for r in first)
+        facts.add(Finding(
+            "eval-one-shard", f"Only {who} evaluated, on its own shard: the result describes part of the "
+            "validation set.", f"{who} evaluated {count} of {size} samples; the other ranks evaluated none",
+            "let every rank evaluate its shard and all_reduce [correct, total] (or evaluate the whole set on "
+            "rank 0 without a DistributedSampler)"))
+        return
+    dist = one["distributed"]
+    if dist and not dist["drop_last"] and dist["total_size"] > one["size"] and len(first) == len(ranks):
+        seen = Counter(i for p in first.values() for i in p["indices"])
+        twice = sorted(i for i, c in seen.items() if c > 1)
+        facts.add(Finding(
+            "eval-padding", "Evaluation counts samples twice: the DistributedSampler pads the validation set so that "
+            "every rank gets as many samples.",
+            f"{one['size']} validation samples padded to {dist['total_size']}; evaluated on two ranks: sample(s) "
+            f"{_first(twice)}",
+            "split validation without padding (Subset(val_set, range(rank, len(val_set), world_size))) and "
+            "all_reduce the counts"))
+    elif size and all(p["count"] < size for p in first.values()) and len(first) > 1:
+        combined = all(_collective_after(records[r], p["t"], _next_start(records[r], p)) for r, p in first.items())
+        if not combined:
+            facts.add(Finding(
+                "eval-one-shard", "Each rank evaluates its own shard and nothing combines the results: the "
+                "reported figure is one rank's share.",
+                f"rank 0 evaluated {first[ranks[0]]['count']} of {size} samples, and no collective followed before "
+                "the next training step", "all_reduce [correct, total] (or the summed loss and count) after the "
+                "evaluation loop, on every rank"))
+
+
+def _next_start(rec: dict, p: dict) -> float | None:
+    later = [q["t"] for q in rec.get("loaders", []) if q["train"] and q["t"] > p["t"]]
+    return min(later) if later else None
+
+
+EVENTS = re.compile(r"events\.out\.tfevents\.")
+
+
+def writes(records: dict, facts) -> None:
+    """The same file (or TensorBoard folder) written by several ranks."""
+    by_path: dict = {}
+    folders: dict = {}
+    for r, rec in records.items():
+        for path in rec.get("writes", []):
+            by_path.setdefault(path, set()).add(r)
+            if EVENTS.search(os.path.basename(path)):
+                folders.setdefault(os.path.dirname(path), set()).add(r)
+    facts.checked.append(f"files written ({len(by_path)})")
+    shared = sorted(p for p, ranks in by_path.items() if len(ranks) > 1)
+    shared_tb = sorted(f for f, ranks in folders.items() if len(ranks) > 1)
+    if shared or shared_tb:
+        names = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in shared + shared_tb]
+        counts = sorted({len(by_path.get(p, folders.get(p, ()))) for p in shared + shared_tb})
+        facts.add(Finding(
+            "rank-writes", "Several ranks write the same files: they overwrite each other (a checkpoint can be "
+            "torn, a log garbled, TensorBoard gets one curve per rank).",
+            f"written by {'/'.join(map(str, counts))} ranks: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
+            "write checkpoints, logs and TensorBoard events on rank 0 only (`if dist.get_rank() == 0:`)"
+            + _local_rank_hint(records)))
+
+
+def oversubscribed(records: dict, facts) -> None:
+    """CPU ranks: threads x processes + DataLoader workers against the cores."""
+    rec = records[min(records)]
+    threads, cpus = rec.get("threads", {}).get("torch", 1), rec.get("threads", {}).get("cpus") or 1
+    local = len(records)  # the doctor's simulated nodes all run on this machine
+    if not rec.get("modules") or rec["modules"][0]["device"] != "cpu":
+        return
+    workers = max((p["workers"] for p in rec.get("loaders", [])), default=0)
+    if local * threads > cpus:  # DataLoader workers mostly wait: threads are what compete
+        facts.add(Finding(
+            "oversubscribed", "More compute threads than CPU cores: the ranks take turns and the run gets slower.",
+            f"{local} process(es) x {threads} torch thread(s) = {local * threads} on {cpus} cores"
+            + (f", plus {workers} DataLoader worker(s) each" if workers else ""),
+            "give each rank cores // processes threads (torch.set_num_threads, or OMP_NUM_THREADS)", kind=COST))

@@ -1,0 +1,300 @@
+"""The doctor's rules about the process group and what the ranks share, each made from what the run did: the
+process group and devices, the replicas (parameter fingerprints compared across ranks every step), the averaged
+gradients, gradient accumulation, DDP's costly settings, and hangs (where every rank was, from the recorder's
+dump and the flight recorder) or collectives that do not match (``TORCH_DISTRIBUTED_DEBUG=DETAIL``)."""
+
+import os
+import re
+
+from course.doctor.report import COST, Finding
+
+RTOL = 1e-6  # fingerprints of replicas agree to float rounding; every mistake looked for is far larger
+P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single")
+# A wait that ran out: a hang. ("Connection closed by peer" is not one: it is a rank that saw another die.)
+HUNG = ("Timed out", "timed out", "DistStoreError", "wait timeout")
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return True
+    return all(abs(x - y) <= RTOL * (abs(x) + abs(y)) + 1e-12 for x, y in zip(a, b))
+
+
+def process_group(records: dict, facts) -> bool:
+    """Every rank in one process group of the launched size; False: nothing distributed to check further."""
+    n = len(records)
+    pgs = {r: rec.get("pg") for r, rec in records.items()}
+    trained = any(rec.get("forwards") or rec.get("steps") for rec in records.values())
+    if all(pg is None for pg in pgs.values()):
+        if trained:
+            facts.add(Finding("not-distributed", f"No process called init_process_group: each of the {n} "
+                              "processes trained alone, on the same data, and nothing was shared.",
+                              f"{n} processes ran; none called torch.distributed.init_process_group",
+                              "initialise the process group and wrap the model in DistributedDataParallel"))
+        return False
+    facts.checked.append("process group")
+    sizes = {pg["world_size"] for pg in pgs.values() if pg and "world_size" in pg}
+    if sizes and max(sizes) < n:
+        facts.add(Finding("not-distributed", f"The process group is smaller than the job: {n} processes, each in a "
+                          f"group of {max(sizes)}.", f"init_process_group ended with world size {sorted(sizes)} "
+                          f"on {n} processes launched", "let init_process_group read RANK and WORLD_SIZE from "
+                          "torchrun (no rank= or world_size= by hand)"))
+        return False
+    for r, pg in sorted(pgs.items()):
+        env_rank = records[r]["env"].get("RANK")
+        if pg and pg.get("rank_arg") is not None and str(pg["rank_arg"]) != str(env_rank):
+            facts.add(Finding("local-rank", "A process joined the group with a rank torchrun did not give it.",
+                              f"torchrun's RANK={env_rank}, init_process_group(rank={pg['rank_arg']}) at "
+                              f"{pg['where']} (LOCAL_RANK={records[r]['env'].get('LOCAL_RANK')})",
+                              "use RANK (dist.get_rank()) as the global rank; LOCAL_RANK only picks the device"))
+            break
+    return True
+
+
+def devices(records: dict, facts) -> None:
+    found = {r: rec["modules"][0]["device"] for r, rec in records.items() if rec.get("modules")}
+    if len(found) == len(records) > 1:
+        facts.checked.append("devices")
+        one = set(found.values())
+        if len(one) == 1 and not next(iter(one)).startswith("cpu"):
+            facts.add(Finding("same-device", "Every rank trains on the same accelerator.",
+                              f"the model of every rank is on {next(iter(one))}",
+                              "torch.cuda.set_device(local_rank) (or device=f'cuda:{local_rank}') before "
+                              "building the model"))
+
+
+def model_parallel(records: dict) -> str:
+    """Why the ranks' models are not replicas (pipeline, experts, tensor parallel, sharded), or ''."""
+    for rec in records.values():
+        names = {c["op"] for c in rec.get("collectives", [])}
+        names |= {(e.get("profiling_name") or "").split(":")[-1] for e in rec.get("fr", [])}
+        if names & set(P2P) or any(e.get("is_p2p") for e in rec.get("fr", [])):
+            return "point-to-point or all-to-all communication (pipeline or expert parallelism)"
+        if any(c.get("in_forward") and not c.get("internal") and c["op"] in ("all_reduce", "all_gather")
+               for c in rec.get("collectives", [])):
+            return "collectives inside the forward pass (tensor parallelism)"
+        if any(m["sharded"] and not m["class"].startswith("FSDP") for m in rec.get("modules", [])):
+            return "parameters split by tensor parallelism"
+    shapes = {tuple(map(tuple, m["shapes"])) for rec in records.values() for m in rec.get("modules", [])[:1]}
+    return "the ranks' models differ in shape" if len(shapes) > 1 else ""
+
+
+def sharded(records: dict) -> bool:
+    """FSDP: each rank holds a shard of every parameter (data parallel, but no replicas to compare)."""
+    return any(m["sharded"] for rec in records.values() for m in rec.get("modules", []))
+
+
+def replicas(records: dict, facts) -> None:
+    """Parameters equal on every rank at the first training step, and after every optimizer step."""
+    ranks = sorted(records)
+    per = {r: {(p["m"], p["step"]): p["fp"] for p in records[r].get("params", [])} for r in ranks}
+    keys = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    if not keys:
+        facts.unchecked.append("replicas (no training forward on every rank)")
+        return
+    modules = records[ranks[0]]["modules"]
+    facts.checked.append(f"replicas ({len(keys)} fingerprints of the parameters per rank)")
+    for key in keys:
+        names = modules[key[0]]["names"]
+        bad = [n for i, n in enumerate(names) if not all(_same(per[r][key][i], per[ranks[0]][key][i]) for r in ranks)]
+        if not bad:
+            continue
+        where = f"{len(bad)} of {len(names)} parameters differ ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
+        if key[1] == 0:
+            facts.add(Finding("replicas-start", "The ranks start from different weights.",
+                              f"at the first training step {where} between ranks",
+                              "wrap the model in DistributedDataParallel, which copies rank 0's weights to "
+                              "every rank at construction (or broadcast them yourself)"))
+        elif not any(f.code in ("grads-not-averaged", "grads-scaled") for f in facts.findings):
+            facts.add(Finding("replicas-drift", "The replicas drift apart: equal before an optimizer step, "
+                              "different after it.", f"after optimizer step {key[1]} {where}",
+                              "every rank must apply the same update: average the gradients on every rank, and "
+                              "keep per-rank state that changes the step (a GradScaler, a scheduler) identical"))
+        return
+
+
+def gradients(records: dict, facts) -> None:
+    """Just before each optimizer step, every parameter's gradient equal on every rank (averaged)."""
+    ranks = sorted(records)
+    per = {r: {(g["opt"], g["step"]): g for g in records[r].get("grads", [])} for r in ranks}
+    keys = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    if not keys:
+        facts.unchecked.append("gradients (no optimizer step on every rank)")
+        return
+    facts.checked.append(f"gradients before {len(keys)} optimizer steps")
+    for key in keys:
+        g0 = per[ranks[0]][key]
+        differ = [i for i in range(len(g0["names"])) if not all(_same(per[r][key]["fp"][i], g0["fp"][i]) for r in ranks)]
+        bad = [g0["names"][i] for i in differ]
+        if bad:
+            factors = _factors(per, ranks, key, differ)
+            if factors:
+                facts.add(Finding(
+                    "grads-scaled", "Every rank applies the averaged gradient times a factor of its own, so the "
+                    "replicas drift apart.", f"before optimizer step {key[1]} the gradients of rank "
+                    + ", ".join(f"{r} are {f:.4g}x" for r, f in factors.items()) + f" rank {ranks[0]}'s ({', '.join(bad[:3])})",
+                    "keep per-rank state that scales the gradients identical on every rank: a "
+                    "GradScaler restored from a checkpoint on one rank only, a loss scale, a learning rate"))
+                return
+            every = len(bad) == len(g0["names"])
+            facts.add(Finding(
+                "grads-not-averaged", "The gradients are not averaged across ranks" + (
+                    ": every rank steps with its own." if every else f": {len(bad)} of {len(g0['names'])} "
+                    "parameters are left out of the averaging."),
+                f"before optimizer step {key[1]} the gradients of {', '.join(bad[:3])}"
+                f"{' ...' if len(bad) > 3 else ''} differ between ranks",
+                "wrap the model in DistributedDataParallel (or all_reduce every parameter's .grad and divide by "
+                "the world size)"))
+            return
+
+
+def _factors(per: dict, ranks: list, key, bad: list) -> dict:
+    """{rank: factor} when each rank's differing gradients (positions ``bad``) are rank 0's times one factor of
+    its own (else {})."""
+    base = [per[ranks[0]][key]["fp"][i] for i in bad]
+    found = {}
+    for r in ranks[1:]:
+        mine = [per[r][key]["fp"][i] for i in bad]
+        ratios = [fp[0] / b[0] for fp, b in zip(mine, base) if fp is not None and b is not None and abs(b[0]) > 1e-12]
+        if not ratios or any(abs(x - ratios[0]) > 1e-4 * abs(ratios[0]) for x in ratios):
+            return {}
+        found[r] = ratios[0]
+    return found if any(abs(f - 1) > 1e-4 for f in found.values()) else {}
+
+
+def accumulation(records: dict, facts) -> None:
+    """Several backward passes per optimizer step: the loss divided by their number, and one all-reduce."""
+    rec = records[min(records)]
+    steps: dict = {}
+    for loss in rec.get("losses", []):
+        steps.setdefault(loss["step"], []).append(loss)
+    done = {s: ls for s, ls in steps.items() if s < len(rec.get("steps", []))}  # steps that were taken
+    multi = {s: ls for s, ls in done.items() if len(ls) > 1}
+    if len(multi) * 2 <= len(done):  # accumulation is every step's pattern (a skipped step adds one backward)
+        return
+    k = max(len(ls) for ls in multi.values())
+    facts.checked.append(f"gradient accumulation ({k} backward passes per optimizer step)")
+    undivided = [ls for ls in multi.values() if all(abs(x["f"] - 1) < 1e-6 and x["root"] and
+                                                    x["root"].endswith(("LossBackward0", "MeanBackward0",
+                                                                        "MeanBackward1")) for x in ls)]
+    if undivided:
+        facts.add(Finding(
+            "accum-not-divided", f"Accumulated gradients are {k}x the mean: each of the {k} micro-batch losses is "
+            "a mean, and backward() adds them up.",
+            f"{len(undivided)} optimizer steps each took {k} backward passes of an undivided mean loss "
+            f"({undivided[0][0]['root']})", f"backward on loss / {k} (the number of micro-batches)"))
+    if rec.get("ddp"):
+        t0 = rec.get("t0_ns", 0)
+        reduces = [(e["time_created_ns"] - t0) / 1e9 for e in rec.get("fr", [])
+                   if (e.get("profiling_name") or "").endswith("all_reduce") and e.get("time_created_ns")]
+        windows = list(zip(rec["backward"], rec.get("losses", [])))
+        synced = [(w, loss["step"]) for w, loss in windows if loss["step"] in multi and
+                  any(w[0] <= t <= w[1] for t in reduces)]
+        per_step = {s: sum(1 for _, step in synced if step == s) for s in multi}
+        if per_step and min(per_step.values()) == k:
+            facts.add(Finding(
+                "accum-sync", f"DDP all-reduces the gradients after every micro-batch, {k} times per optimizer step "
+                "instead of once.", f"every one of the {k} backward passes per step was followed by DDP's "
+                "all-reduce (flight recorder)", "run all but the last micro-batch inside `with model.no_sync():` "
+                "(or set model.require_backward_grad_sync = False for them)", kind=COST))
+
+
+def ddp_settings(records: dict, facts) -> None:
+    rec = records[min(records)]
+    unused = any(d["find_unused_parameters"] for d in rec.get("ddp", []))
+    grads = rec.get("grads", [])
+    if unused and grads and all(fp is not None for g in grads for fp in g["fp"]):
+        facts.add(Finding(
+            "find-unused", "find_unused_parameters=True, but every parameter got a gradient at every step: DDP "
+            "searches the graph after each forward for nothing.",
+            f"{len(grads)} optimizer steps, no parameter without a gradient",
+            "drop find_unused_parameters=True (it is for models that skip parameters in some steps)", kind=COST))
+
+
+def _stuck_line(r: int, rec: dict, stuck: dict) -> str:
+    script = rec.get("script", "")
+    frames = [f for f in stuck.get("stack", []) if f["file"] == script]
+    where = f"{os.path.basename(script)}:{frames[-1]['line']}" if frames else "outside the script"
+    current = stuck.get("current") or {}
+    fr = stuck.get("fr") or rec.get("fr") or []
+    if not current and not fr:
+        return f"rank {r} at {where}, in no collective"
+    op = current.get("op") or (fr[-1].get("profiling_name") or "?").split(":")[-1]
+    seq = fr[-1].get("collective_seq_id") if fr else None
+    return f"rank {r} in {op} at {where}" + (f" (its collective #{seq})" if seq else "")
+
+
+def _error_line(r: int, rec: dict) -> str:
+    """Where a rank was when its wait ended in a timeout (or its peer's disconnection)."""
+    failed = [c for c in rec.get("collectives", []) if any(h in c.get("error", "") for h in HUNG)]
+    if failed:
+        return f"rank {r} in {failed[-1]['op']} at {failed[-1]['where']}"
+    errors = [e for e in rec.get("errors", []) if any(h in e["error"] for h in HUNG)]
+    if not errors:
+        return ""
+    pg = rec.get("pg") or {}
+    if pg and "rank" not in pg:  # init_process_group never returned
+        return f"rank {r} in init_process_group at {pg['where']}"
+    if errors[0]["in"] == "backward":
+        return f"rank {r} in DDP's gradient all-reduce, in backward() at {errors[0]['where']}"
+    fr = rec.get("fr") or []
+    op = (fr[-1].get("profiling_name") or "?").split(":")[-1] if fr else "a collective"
+    return f"rank {r} in {op} at {errors[0]['where']}"
+
+
+def _fr_ops(rec: dict) -> dict:
+    """seq id -> (collective, input sizes) of the default process group, from the flight recorder."""
+    return {e["collective_seq_id"]: ((e.get("profiling_name") or "?").split(":")[-1], e.get("input_sizes"))
+            for e in rec.get("fr", []) if not e.get("is_p2p") and (e.get("process_group") or ["0"])[0] == "0"}
+
+
+def _mismatch(records: dict) -> str:
+    """The first collective the ranks did not agree on (flight recorder), or ''."""
+    ops = {r: _fr_ops(rec) for r, rec in sorted(records.items())}
+    if len(ops) < 2 or not all(ops.values()):
+        return ""
+    for seq in sorted(set.intersection(*(set(o) for o in ops.values()))):
+        seen = {r: o[seq] for r, o in ops.items()}
+        names = {name for name, _ in seen.values()}
+        sized = names <= {"all_reduce", "broadcast"}  # their tensors must match; gather/scatter differ by rank
+        if len(names) > 1 or (sized and len({str(sizes) for _, sizes in seen.values()}) > 1):
+            return f"collective #{seq}: " + "; ".join(f"rank {r} called {name} of {sizes}"
+                                                       for r, (name, sizes) in seen.items())
+    return ""
+
+
+def hangs(run, facts) -> bool:
+    """A hang or a mismatched collective: where every rank was. True when one was found."""
+    mismatch = _mismatch(run.records)
+    if run.timed_out and run.stuck:
+        last = {(s.get("fr") or [{}])[-1].get("collective_seq_id") for s in run.stuck.values()}
+        if len(run.stuck) == run.job.nproc and len(last) == 1:  # every rank at the same collective: in step
+            return False
+        where = [_stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())]
+    else:
+        where = [w for w in (_error_line(r, rec) for r, rec in sorted(run.records.items())) if w]
+    if mismatch:
+        facts.add(Finding("collective-mismatch", "The ranks called different collectives at the same point.",
+                          mismatch + (" (" + "; ".join(where) + ")" if where else "") + " (flight recorder)",
+                          "every rank must call the same collectives in the same order: look for one inside an "
+                          "`if` on the rank"))
+        return True
+    if not where:
+        return False
+    facts.add(Finding("hang", "The job hung: a rank waited in a collective that another rank never joined"
+                      + (f" (stopped after {run.job.timeout:.0f} s)." if run.timed_out else
+                         f" (the {run.job.hang_after:.0f} s process-group timeout ended it)."),
+                      "; ".join(where), "every rank must call every collective, as often and in the same order: "
+                      "look for a collective inside an `if` on the rank, or loops of different lengths"))
+    return True
+
+
+def own_error(run, facts) -> None:
+    """A failure of the script's own that names a data-parallel mistake."""
+    text = run.failure or ""
+    match = re.search(r"[^\n]*(Expected all tensors to be on the same device|is not on the expected device)[^\n]*",
+                      text)
+    if match:
+        facts.add(Finding("device-mismatch", "A tensor the model uses is on another device than the model.",
+                          match[0].strip()[:200], "move it with the model: register it as a buffer (self.register_buffer) "
+                          "or create it with device=...; a loss's class weights go to the device too"))

@@ -1,0 +1,279 @@
+"""The recorder: runs a training script under torchrun and records, per rank, what it did (used by the
+exercise checker and by the DDP doctor; not started by learners).
+
+    torchrun --nproc-per-node=2 scripts/course/recorder.py SCRIPT [ARGS...]
+
+Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
+records facts that the script cannot fake or forget to report:
+- the files it wrote (an audit hook sees every ``open`` for writing and every rename; ``torch.save`` too);
+- every ``torch.distributed`` collective it called from Python, and ``init_process_group``
+  (``recorder_collectives.py``); at exit the flight recorder's entries: every collective the process group
+  ran, DDP's own gradient all-reduces included;
+- when each ``backward()`` started and ended, when each optimizer step ran, and when autograd called each
+  hook registered with ``register_post_accumulate_grad_hook`` (``grad_ready``: a gradient is complete);
+  the optimizer-state bytes; the indices each ``DistributedSampler`` yielded, with its epoch;
+- with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
+
+Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``,
+written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT``, seconds that replace the
+script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the script
+overwrites (one older than ``COURSE_RECORD_SINCE``) is copied first, for the caller to restore. A file
+``dump-now`` appearing in the out folder makes every rank write ``stuck_rank<RANK>.json``: where its main
+thread is and its last collectives (a hang), and its record so far.
+"""
+
+import atexit
+import hashlib
+import json
+import os
+import runpy
+import shutil
+import sys
+import threading
+import time
+
+OUT = os.path.abspath(os.environ.get("COURSE_RECORD_OUT") or ".")
+RANK = os.environ.get("RANK", "0")
+TRAINING = os.environ.get("COURSE_RECORD_TRAINING", "0") not in ("", "0")
+PROTECT = os.environ.get("COURSE_RECORD_PROTECT", "0") not in ("", "0")
+PG_TIMEOUT = float(os.environ.get("COURSE_RECORD_PG_TIMEOUT") or 0)
+SINCE = float(os.environ.get("COURSE_RECORD_SINCE") or 0)  # when the job started: older files were there before
+SCRIPT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ""
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Writes there are the libraries' own (devices, caches, compiled kernels, torchrun's logs), not the script's.
+IGNORED = tuple(os.path.realpath(p) + os.sep for p in {"/dev", "/proc", "/sys", os.path.expanduser("~/.cache"),
+                                                        sys.prefix, sys.base_prefix})
+IGNORED_PARTS = ("/torchinductor_", "/triton", "/course-torchrun-", "__pycache__", "/matplotlib")
+T0 = time.perf_counter()
+record = {"rank": int(RANK), "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                     "LOCAL_WORLD_SIZE", "GROUP_RANK")},
+          "writes": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
+          "samplers": [], "state_bytes": 0, "pg": None, "fr": [], "script": SCRIPT, "dirs": [], "errors": [],
+          "t0_ns": time.time_ns()}
+
+
+def now() -> float:
+    return round(time.perf_counter() - T0, 6)
+
+
+def where(limit: int = 40) -> str:
+    """'file:line' of the innermost frame of the script itself (or of any file outside the libraries)."""
+    frame, fallback = sys._getframe(1), ""
+    for _ in range(limit):
+        if frame is None:
+            break
+        name = frame.f_code.co_filename
+        if name == SCRIPT:
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        if not fallback and not name.startswith((HERE, sys.prefix, "<")) and "site-packages" not in name:
+            fallback = f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return fallback
+
+
+def _mine(path: str) -> bool:
+    """Whether a write counts: inside OUT for the checker's scripts; anywhere but caches for the doctor's."""
+    if TRAINING:
+        return not (path.startswith(IGNORED) or path.startswith(OUT + os.sep) or any(p in path for p in IGNORED_PARTS))
+    return path.startswith(OUT + os.sep) and not os.path.basename(path).startswith(("record_rank", "stuck_rank"))
+
+
+def _protect(path: str) -> None:
+    """Copy an existing file before the script overwrites it (once, whichever rank gets there first)."""
+    key = hashlib.sha1(path.encode()).hexdigest()[:16]
+    saved = os.path.join(OUT, "protected", key)
+    try:
+        os.makedirs(os.path.dirname(saved), exist_ok=True)
+        fd = os.open(saved + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another rank copies it: wait until its copy is complete
+        deadline = time.monotonic() + 30
+        while not os.path.exists(saved) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return
+    except OSError:
+        return
+    os.close(fd)
+    shutil.copy2(path, saved + ".tmp")
+    os.replace(saved + ".tmp", saved)
+    record["protected"][path] = saved
+
+
+def _written(path) -> None:
+    try:
+        path = os.path.abspath(os.fsdecode(path))
+    except TypeError:  # a file descriptor, not a path
+        return
+    if path in record["writes"] or not _mine(path):
+        return
+    if TRAINING:
+        try:
+            older = os.stat(path).st_mtime < SINCE
+        except OSError:
+            older = False
+        if older and os.path.isfile(path):
+            if PROTECT and path not in record["protected"]:
+                _protect(path)
+        elif path not in record["created"]:
+            record["created"].append(path)
+    record["writes"].append(path)
+
+
+def _audit(event, args):
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        mode, flags = args[1], args[2] or 0
+        if (mode and any(c in mode for c in "wax+")) or (not mode and flags & (os.O_WRONLY | os.O_RDWR)):
+            _written(args[0])
+    elif event in ("os.rename", "os.replace") and len(args) >= 2:
+        _written(args[1])
+    elif event == "os.mkdir" and TRAINING and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if _mine(path) and not os.path.exists(path):
+            record["dirs"].append(path)
+
+
+def flight_recorder(limit: int = 2000) -> list[dict]:
+    """The process group's flight-recorder entries (torch records gloo and nccl collectives alike)."""
+    try:
+        import pickle
+
+        import torch
+
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    except Exception:  # noqa: BLE001 - no process group, or a build without it: nothing to add
+        return []
+    keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "time_created_ns", "input_sizes", "state",
+            "process_group", "is_p2p")
+    return [{k: e.get(k) for k in keep} for e in dump.get("entries", [])[-limit:]]
+
+
+def _save(name: str, data: dict) -> None:
+    path = os.path.join(OUT, name)
+    try:
+        os.makedirs(OUT, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(path + ".tmp", path)
+    except (OSError, TypeError, ValueError):
+        pass
+
+
+def _save_record():
+    record["fr"] = flight_recorder()
+    record["seconds"] = now()
+    _save(f"record_rank{RANK}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
+
+
+def _watch(main_ident: int):
+    """Until the process ends: when ``dump-now`` appears, say where the main thread is (a hang)."""
+    trigger = os.path.join(OUT, "dump-now")
+    while not os.path.exists(trigger):
+        time.sleep(0.25)
+    frame = sys._current_frames().get(main_ident)
+    stack = []
+    while frame is not None:
+        stack.append({"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name})
+        frame = frame.f_back
+    _save(f"stuck_rank{RANK}.json", {"rank": int(RANK), "stack": stack[::-1], "current": record.get("current"),
+                                     "fr": flight_recorder(50), "t": now()})
+    for _ in range(3):  # the job is about to be stopped, before atexit could run: save what was recorded
+        try:
+            _save_record()
+            return
+        except RuntimeError:  # the main thread changed the record meanwhile (it was not stuck): again
+            time.sleep(0.05)
+
+
+def _instrument():
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data import DistributedSampler
+
+    recorder_collectives.install(record, now, where, PG_TIMEOUT,
+                                 depth=(lambda: training.state["depth"]) if TRAINING else None)
+
+    save = torch.save  # writes through C++ (no audit event for the file): record its path here
+
+    def recorded_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, bytes, os.PathLike)):
+            _written(f)
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = recorded_save
+
+    backward = torch.Tensor.backward
+
+    def timed_backward(self, *args, **kwargs):
+        start = now()
+        if TRAINING:
+            training.on_backward(self)
+        try:
+            return backward(self, *args, **kwargs)
+        except Exception as error:
+            record["errors"].append({"in": "backward", "where": where(), "error": str(error)[:300]})
+            raise
+        finally:
+            record["backward"].append([start, now()])
+
+    torch.Tensor.backward = timed_backward
+
+    def after_step(optimizer, args, kwargs):
+        record["steps"].append(now())
+        size = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                   if isinstance(t, torch.Tensor))
+        record["state_bytes"] = max(record["state_bytes"], size)
+
+    register_optimizer_step_post_hook(after_step)
+
+    register_hook = torch.Tensor.register_post_accumulate_grad_hook
+
+    def recorded_register(self, hook):
+        def ready(*args, **kwargs):  # called by autograd during backward(): one more gradient complete
+            record["grad_ready"].append(now())
+            return hook(*args, **kwargs)
+        return register_hook(self, ready)
+
+    torch.Tensor.register_post_accumulate_grad_hook = recorded_register
+
+    sampler_iter = DistributedSampler.__iter__
+
+    def recorded_iter(self):
+        indices = list(sampler_iter(self))
+        record["samplers"].append({"sampler": id(self), "epoch": self.epoch, "rank": self.rank,
+                                   "indices": [int(i) for i in indices]})
+        return iter(indices)
+
+    DistributedSampler.__iter__ = recorded_iter
+
+
+def main():
+    script, *script_args = sys.argv[1:]
+    sys.argv = [script, *script_args]
+    global training, recorder_collectives
+    import recorder_collectives  # this file's folder is still sys.path[0] here: its siblings import by name
+
+    if TRAINING:
+        import recorder_training as training
+
+        training.install(record, now)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
+    sys.addaudithook(_audit)
+    atexit.register(_save_record)
+    threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
+    _instrument()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException as error:
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):
+            import traceback
+
+            frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == SCRIPT]
+            record["errors"].append({"in": "script", "t": now(), "error": f"{type(error).__name__}: {error}"[:300],
+                                     "where": f"{os.path.basename(SCRIPT)}:{frames[-1].lineno}" if frames else "",
+                                     "code": frames[-1].line if frames else ""})
+        raise
+
+
+training = recorder_collectives = None
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The recorder's view of ``torch.distributed`` (used by ``recorder.py``, imported by its plain name): every
+collective called from Python, and ``init_process_group``.
+
+Per collective: its time, its line in the script, whether torch itself called it (DDP's, Join's, FSDP's own),
+whether it ran inside a forward pass, its error if it raised, and for an asynchronous one when its handle was
+first waited on (``wait()`` or ``get_future()``) and whether the script wrote into the collective's tensors
+before that (``touched``: their version counters moved, e.g. a division before ``wait()``, a race).
+``init_process_group``: where it was called, the rank and world size given by hand, what it ended with; with
+a timeout set, the script's own timeout is replaced by it (a hang then ends in seconds).
+"""
+
+import inspect
+import os
+import sys
+
+NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+         "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
+         "all_gather_object", "broadcast_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+         "monitored_barrier")
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors a collective was given (in lists too): the ones it reads and writes."""
+    import torch
+
+    found = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
+
+
+class Handle:
+    """An asynchronous collective's handle (torch's Work), noting when it is first waited on and whether the
+    script wrote into the collective's tensors before that: their version counters moved more than the
+    collective moves them itself (once for ReduceOp.AVG, which divides in place; never for the others)."""
+
+    def __init__(self, work, entry, versions, own_writes, now):
+        self._work, self._entry, self._versions, self._own, self._now = work, entry, versions, own_writes, now
+
+    def _waited(self):
+        if self._entry["waited"] is None:
+            self._entry["waited"] = self._now()
+            self._entry["touched"] = any(t._version - v > self._own for t, v in self._versions)
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._waited()
+        return result
+
+    def get_future(self):
+        self._waited()  # a future's wait() is the learner's; counted as waited when it is asked for
+        return self._work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None) -> None:
+    """Wrap torch.distributed's collectives and init_process_group; ``depth()``: how deep in forward calls."""
+    import torch
+    import torch.distributed as dist
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+
+    def counted(name, fn):
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+
+        def wrapper(*args, **kwargs):
+            try:
+                given = signature.bind(*args, **kwargs).arguments if signature else kwargs
+            except TypeError:
+                given = kwargs
+            asynchronous = bool(given.get("async_op"))
+            internal = sys._getframe(1).f_code.co_filename.startswith(torch_dir)
+            entry = {"op": name, "t": now(), "async": asynchronous, "waited": None, "touched": None,
+                     "where": where(), "internal": internal}
+            if depth is not None:
+                entry["in_forward"] = depth() > 0
+            record["collectives"].append(entry)
+            record["current"] = entry
+            versions = [(t, t._version) for t in _tensors(args, kwargs)] if asynchronous else []
+            try:
+                work = fn(*args, **kwargs)
+            except Exception as error:
+                entry["error"] = str(error)[:300]
+                raise
+            record["current"] = None
+            if not asynchronous or work is None or internal:  # torch's own callers hand the handle to C++
+                return work
+            return Handle(work, entry, versions, int(given.get("op") == dist.ReduceOp.AVG), now)
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    for name in NAMES:
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+
+    init = dist.init_process_group
+
+    def recorded_init(*args, **kwargs):
+        asked = dict(kwargs)
+        if pg_timeout:
+            from datetime import timedelta
+
+            kwargs["timeout"] = timedelta(seconds=pg_timeout)
+        record["pg"] = {"where": where(), "rank_arg": asked.get("rank"), "world_size_arg": asked.get("world_size")}
+        result = init(*args, **kwargs)
+        record["pg"].update(backend=str(dist.get_backend()), rank=dist.get_rank(), world_size=dist.get_world_size())
+        return result
+
+    dist.init_process_group = recorded_init
