@@ -8,7 +8,9 @@ these figures (tests/test_course_text.py holds them equal); nobody edits them by
     python -m course.run_notebooks --record-times    # run the course, store its times, rewrite the text
     python -m course.times                           # rewrite the README and the headers from times.json
 
-A Chinese header cell (first line containing 中文) states the same figures in a line starting ``**时间``.
+A Chinese header cell (first line containing 中文) states the same figures in its ``**时间：**`` line
+(``header_line_zh``; the notes it adds to them are the entry's ``learner_note_zh`` and ``full_note_zh``), which
+``python -m course.times`` rewrites too.
 """
 
 import json
@@ -24,6 +26,7 @@ NOTEBOOKS = ROOT / "notebooks"
 TIMES = NOTEBOOKS / "times.json"
 README = ROOT / "README.md"
 HEADER = re.compile(r'^(\s*)("\*\*Time:\*\*(?:[^"\\]|\\.)*")(,?)$', re.MULTILINE)  # the line, as JSON in the .ipynb
+HEADER_ZH = re.compile(r'^(\s*)("\*\*时间：\*\*(?:[^"\\]|\\.)*")(,?)$', re.MULTILINE)  # the Chinese header's
 ROW = re.compile(r"^\| `(?P<stem>\d\d\w*)` \|.*$", re.MULTILINE)
 
 
@@ -49,6 +52,21 @@ def header_line(entry: dict) -> str:
             f"cores: quick mode (`COURSE_QUICK=1`) {entry['quick_s']} s (measured), full mode {full_text(entry)}.")
 
 
+def full_text_zh(entry: dict) -> str:
+    """The Chinese line's words for the full mode (``full_text``)."""
+    if entry["full_measured"]:
+        note = f"，{entry['full_note_zh']}" if entry.get("full_note") else ""
+        return f"完整模式 {_number(entry['full_min'])} 分钟（实测{note}）"
+    return f"完整模式约 {_number(entry['full_min'])} 分钟（估计）"
+
+
+def header_line_zh(entry: dict) -> str:
+    """The ``**时间：**`` line of a notebook's Chinese header: the figures of ``header_line``."""
+    note = f"{entry['learner_note_zh']}；" if entry.get("learner_note") else ""
+    return (f"**时间：** 学习约 {entry['learner_min']} 分钟（{note}估计）；机器用时（2 个 CPU 核）：快速模式"
+            f"（`COURSE_QUICK=1`）{entry['quick_s']} 秒（实测），{full_text_zh(entry)}。")
+
+
 def readme_cells(entry: dict) -> list[str]:
     """The last three cells of the notebook's row in the README: learner, quick, full."""
     return [f"{entry['learner_min']} min", f"{entry['quick_s']} s", full_text(entry)]
@@ -70,8 +88,19 @@ def readme_rows(text: str) -> dict[str, list[str]]:
     return {m["stem"]: [cell.strip() for cell in m[0].strip("|").split("|")] for m in ROW.finditer(text)}
 
 
+def _rewrite_line(raw: str, pattern: re.Pattern, render, entry: dict) -> str:
+    """The notebook's JSON text with the first line that ``pattern`` finds replaced by ``render(entry)``."""
+
+    def new_line(match):
+        end = "\n" if json.loads(match[2]).endswith("\n") else ""  # the cell's last line has none
+        return match[1] + json.dumps(render(entry) + end, ensure_ascii=False) + match[3]
+
+    return pattern.sub(new_line, raw, count=1)
+
+
 def apply() -> list[str]:
-    """Rewrite the README's table cells and core sentence, and each notebook's Time line, from times.json."""
+    """Rewrite the README's table cells and core sentence, and each notebook's Time lines (English and Chinese),
+    from times.json."""
     times, changed = load(), []
     text = README.read_text()
     rows = readme_rows(text)
@@ -90,11 +119,7 @@ def apply() -> list[str]:
             continue
         raw = path.read_text()
 
-        def new_line(match, entry=entry):
-            end = "\n" if json.loads(match[2]).endswith("\n") else ""  # the cell's last line has none
-            return match[1] + json.dumps(header_line(entry) + end, ensure_ascii=False) + match[3]
-
-        updated = HEADER.sub(new_line, raw, count=1)
+        updated = _rewrite_line(_rewrite_line(raw, HEADER, header_line, entry), HEADER_ZH, header_line_zh, entry)
         if updated != raw:
             path.write_text(updated)
             changed.append(path.name)
