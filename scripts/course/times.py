@@ -8,7 +8,9 @@ these figures (tests/test_course_text.py holds them equal); nobody edits them by
     python -m course.run_notebooks --record-times    # run the course, store its times, rewrite the text
     python -m course.times                           # rewrite the README and the headers from times.json
 
-A Chinese header cell (first line containing 中文) states the same figures in a line starting ``**时间``.
+A Chinese header cell (first line containing 中文) states the same figures in its ``**时间：**`` line
+(``header_line_zh``; the notes it adds to them are the entry's ``learner_note_zh`` and ``full_note_zh``), which
+``python -m course.times`` rewrites too; ``WORDS`` holds both languages' words around the figures.
 """
 
 import json
@@ -24,6 +26,7 @@ NOTEBOOKS = ROOT / "notebooks"
 TIMES = NOTEBOOKS / "times.json"
 README = ROOT / "README.md"
 HEADER = re.compile(r'^(\s*)("\*\*Time:\*\*(?:[^"\\]|\\.)*")(,?)$', re.MULTILINE)  # the line, as JSON in the .ipynb
+HEADER_ZH = re.compile(r'^(\s*)("\*\*时间：\*\*(?:[^"\\]|\\.)*")(,?)$', re.MULTILINE)  # the Chinese header's
 ROW = re.compile(r"^\| `(?P<stem>\d\d\w*)` \|.*$", re.MULTILINE)
 
 
@@ -35,18 +38,40 @@ def _number(x: float) -> str:
     return f"{x:g}"
 
 
-def full_text(entry: dict) -> str:
+# The words around the figures, per language: "" English, "_zh" Chinese (the suffix of the entry's notes in that
+# language, e.g. full_note_zh). Placeholders: {learner}, {quick}, {full}, {note} (the learner note), {n} (full_min).
+# The Chinese full-mode words carry their own space: 完整模式 5.1 分钟, but 完整模式约 2 分钟.
+WORDS = {
+    "": {"line": "**Time:** for you, about {learner} min{note} (estimate); for the machine, on 2 CPU cores: quick mode "
+                 "(`COURSE_QUICK=1`) {quick} s (measured), full mode {full}.",
+         "learner_note": " {}", "full_note": ", {}", "measured": "{n} min (measured{note})",
+         "estimate": "about {n} min (estimate)"},
+    "_zh": {"line": "**时间：** 学习约 {learner} 分钟（{note}估计）；机器用时（2 个 CPU 核）：快速模式（`COURSE_QUICK=1`）"
+                    "{quick} 秒（实测），完整模式{full}。",
+            "learner_note": "{}；", "full_note": "，{}", "measured": " {n} 分钟（实测{note}）", "estimate": "约 {n} 分钟（估计）"},
+}
+
+
+def _note(entry: dict, key: str, lang: str) -> str:
+    """The entry's note in that language, in its words; a note without its translation is a KeyError."""
+    return WORDS[lang][key].format(entry[key + lang]) if entry.get(key) else ""
+
+
+def full_text(entry: dict, lang: str = "") -> str:
+    words = WORDS[lang]
     if entry["full_measured"]:
-        note = f", {entry['full_note']}" if entry.get("full_note") else ""
-        return f"{_number(entry['full_min'])} min (measured{note})"
-    return f"about {_number(entry['full_min'])} min (estimate)"
+        return words["measured"].format(n=_number(entry["full_min"]), note=_note(entry, "full_note", lang))
+    return words["estimate"].format(n=_number(entry["full_min"]))
 
 
-def header_line(entry: dict) -> str:
-    """The ``**Time:**`` line of a notebook's header."""
-    note = f" {entry['learner_note']}" if entry.get("learner_note") else ""
-    return (f"**Time:** for you, about {entry['learner_min']} min{note} (estimate); for the machine, on 2 CPU "
-            f"cores: quick mode (`COURSE_QUICK=1`) {entry['quick_s']} s (measured), full mode {full_text(entry)}.")
+def header_line(entry: dict, lang: str = "") -> str:
+    """The ``**Time:**`` line of a notebook's header; with ``lang="_zh"`` its Chinese header's ``**时间：**`` line."""
+    return WORDS[lang]["line"].format(learner=entry["learner_min"], quick=entry["quick_s"], full=full_text(entry, lang),
+                                      note=_note(entry, "learner_note", lang))
+
+
+def header_line_zh(entry: dict) -> str:
+    return header_line(entry, "_zh")
 
 
 def readme_cells(entry: dict) -> list[str]:
@@ -70,8 +95,19 @@ def readme_rows(text: str) -> dict[str, list[str]]:
     return {m["stem"]: [cell.strip() for cell in m[0].strip("|").split("|")] for m in ROW.finditer(text)}
 
 
+def _rewrite_line(raw: str, pattern: re.Pattern, render, entry: dict) -> str:
+    """The notebook's JSON text with the first line that ``pattern`` finds replaced by ``render(entry)``."""
+
+    def new_line(match):
+        end = "\n" if json.loads(match[2]).endswith("\n") else ""  # the cell's last line has none
+        return match[1] + json.dumps(render(entry) + end, ensure_ascii=False) + match[3]
+
+    return pattern.sub(new_line, raw, count=1)
+
+
 def apply() -> list[str]:
-    """Rewrite the README's table cells and core sentence, and each notebook's Time line, from times.json."""
+    """Rewrite the README's table cells and core sentence, and each notebook's Time lines (English and Chinese),
+    from times.json."""
     times, changed = load(), []
     text = README.read_text()
     rows = readme_rows(text)
@@ -90,11 +126,7 @@ def apply() -> list[str]:
             continue
         raw = path.read_text()
 
-        def new_line(match, entry=entry):
-            end = "\n" if json.loads(match[2]).endswith("\n") else ""  # the cell's last line has none
-            return match[1] + json.dumps(header_line(entry) + end, ensure_ascii=False) + match[3]
-
-        updated = HEADER.sub(new_line, raw, count=1)
+        updated = _rewrite_line(_rewrite_line(raw, HEADER, header_line, entry), HEADER_ZH, header_line_zh, entry)
         if updated != raw:
             path.write_text(updated)
             changed.append(path.name)
