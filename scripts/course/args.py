@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from course import in_repo
+from course.errors import QUIET_EXIT_AFTER_S
 
 
 def _number(kind, text: str, low: float, strict: bool):
@@ -72,7 +73,7 @@ class JobParser(argparse.ArgumentParser):
             parser.error(f"argument --n-head: {args.n_head} heads do not split over {world_size} processes")
     """
 
-    quiet_exit_after_s = 5.0  # what the other ranks wait before they exit (torchrun stops them when rank 0 exits)
+    quiet_exit_after_s = QUIET_EXIT_AFTER_S  # what the other ranks wait before they exit
 
     def world_size(self) -> int:
         """The number of processes, as torchrun sets it (WORLD_SIZE); outside torchrun, one error line saying

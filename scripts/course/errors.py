@@ -7,18 +7,20 @@
 Inside the block a CourseError (a busy run directory, a path that cannot be written) or a
 course.data.DatasetError (a missing dataset; course.data imports nothing of the course, so it is not a
 CourseError) makes rank 0 print ``error: <message>`` and every rank exit with status 2; the other ranks
-exit quietly, so the message appears once.
+exit quietly a few seconds later (torchrun stops the job when the first process exits), so the message appears once.
 
 ``CourseError`` and ``record`` (torch's ``@record`` with an atomic error file) live in course.train_utils, which
 the take-home scripts import and a learner copies; they are importable from here too.
 """
 
 import sys
+import time
 from contextlib import contextmanager
 
 from course.train_utils import CourseError, record  # noqa: F401 (their home is course.train_utils)
 
 EXIT_CODE = 2  # what argparse uses for bad input
+QUIET_EXIT_AFTER_S = 5.0  # what the ranks other than 0 wait before they exit after bad input
 
 
 @contextmanager
@@ -30,6 +32,8 @@ def reported_once(rank: int = 0):
             raise
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the whole job as soon as one process exits: rank 0 must have printed by then
+            time.sleep(QUIET_EXIT_AFTER_S)
         raise SystemExit(EXIT_CODE) from None
 
 
