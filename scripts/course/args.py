@@ -13,31 +13,22 @@ from pathlib import Path
 
 from course import in_repo
 from course.errors import QUIET_EXIT_AFTER_S
-
-
-def _number(kind, text: str, low: float, strict: bool):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
-    if value < low or (strict and value == low):
-        raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
-    return value
+from course.train_utils import number  # the take-home scripts' own check, one copy
 
 
 def positive_int(text: str) -> int:
     """An integer > 0 (epochs, batch size, steps between logs)."""
-    return _number(int, text, 0, strict=True)
+    return number(int, 0)(text)
 
 
 def nonnegative_int(text: str) -> int:
     """An integer >= 0 (workers; max-steps, where 0 means no limit)."""
-    return _number(int, text, 0, strict=False)
+    return number(int, 0, strict=False)(text)
 
 
 def positive_float(text: str) -> float:
     """A number > 0 (learning rate)."""
-    return _number(float, text, 0.0, strict=True)
+    return number(float, 0.0)(text)
 
 
 def repo_path(text: str) -> Path:
