@@ -131,14 +131,17 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False) -> Run:
 def _put_back(run: Run, out: Path) -> None:
     """Restore what the script overwrote; move what it created into ``out/files``; drop folders it created."""
     records = run.records.values()
-    for path, saved in {p: s for r in records for p, s in r.get("protected", {}).items()}.items():
+    protected = {p: s for r in records for p, s in r.get("protected", {}).items()}
+    for path, saved in protected.items():
         if os.path.exists(saved):
             tmp = f"{path}.doctor-restore"
             shutil.copy2(saved, tmp)
             os.replace(tmp, path)
             run.restored.append(path)
     cwd = str(run.job.cwd.resolve())
-    for path in sorted({p for r in records for p in r.get("created", [])}):
+    # A rank that wrote a file after another rank had overwritten it in this run sees it as new: the file was
+    # there before the run all the same (protected), so it is restored, never moved.
+    for path in sorted({p for r in records for p in r.get("created", [])} - protected.keys()):
         if not os.path.isfile(path):
             continue
         inside = path.startswith(cwd + os.sep)
