@@ -20,6 +20,7 @@ from course.launcher.rundir import StagedRun
 from course.launcher.stream import KEEP, SHOW, TorchrunStream
 from course.launcher.torchrun_output import describe_failure, unglue
 
+STARTUP = Path(__file__).parent / "startup"
 RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
@@ -160,6 +161,8 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
     try:
         for label, argv, extra_env in jobs:
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+            # start-up code of the course's jobs only: a pause at exit against gloo's exit race (startup/sitecustomize.py)
+            env["PYTHONPATH"] = os.pathsep.join([str(STARTUP), *filter(None, [env.get("PYTHONPATH")])])
             # Own session: a notebook interrupt (SIGINT to the kernel's group) reaches us, not the ranks,
             # so that we, not a half-delivered signal, decide how they end.
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -39,8 +39,8 @@ TIMED_OUT = re.compile(r"timed out waiting|collective operation timeout|wait tim
 # thread with no Python frame: the script's own code had finished.
 EXIT_RACE = ("terminate called without an active exception", "<no Python frame>")
 EXIT_RACE_NOTE = ("(it aborted while Python was exiting, after the script's last line: a gloo worker thread still "
-                  "held the last collective's tensors; a dist.barrier() before destroy_process_group makes this rare, "
-                  "see notebook 03)")
+                  "held a collective's tensors, torch's exit race; the script's own work was done; see notebook 03, "
+                  "step 1)")
 
 
 def unglue(line: str) -> list[str]:

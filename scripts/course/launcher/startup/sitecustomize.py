@@ -1,0 +1,55 @@
+"""Imported by Python at start-up in every process the course launcher starts (run_commands puts this folder first on
+PYTHONPATH); never in a learner's own runs of a script.
+
+Gloo's exit race (pytorch/pytorch#117762): a gloo worker thread marks a collective done, wakes the script, and only
+then lets go of the collective's tensors. If it is descheduled in between (a busy machine) and the script meanwhile
+reaches its end, the thread lets go while Python is finalizing, cannot take the interpreter lock, and the process
+aborts ("terminate called without an active exception") after the script's last line; a barrier does not help,
+since gloo runs collectives on two worker threads. Here, at exit and while Python can still take the tensors back,
+the process waits until its other threads are no longer runnable (on Linux, from /proc; elsewhere a short pause),
+at most ``EXIT_WAIT_S``. The launcher still names the abort if it happens (course.launcher.torchrun_output).
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+EXIT_WAIT_S = 2.0
+
+
+def _runnable_threads() -> int | None:
+    """How many of this process's threads, other than this one, are running or waiting for a CPU; None if unknown."""
+    me = threading.get_native_id()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tasks:
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        count += state == "R"
+    return count
+
+
+def _let_threads_finish() -> None:
+    if "torch.distributed" not in sys.modules:
+        return
+    deadline, quiet = time.monotonic() + EXIT_WAIT_S, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        runnable = _runnable_threads()
+        if runnable is None:  # no /proc (macOS): give the threads a moment
+            time.sleep(0.05)
+            return
+        quiet = quiet + 1 if runnable == 0 else 0
+        time.sleep(0.002)  # releases the interpreter lock
+
+
+atexit.register(_let_threads_finish)
