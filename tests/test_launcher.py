@@ -595,3 +595,31 @@ def test_a_hang_names_the_rank_that_timed_out_first_not_the_first_to_exit(tmp_pa
     first = result.failure.splitlines()[0]
     assert first.startswith("rank 0 timed out first (torchrun then ended it by SIGTERM)"), result.failure
     assert "all_reduce" in result.failure and "Timed out waiting 4000ms" in result.failure
+
+
+def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch):
+    """Gloo's exit race: every job run_commands starts imports course/launcher/startup/sitecustomize.py, whose
+    exit handler waits (while torch.distributed is loaded) until no other thread of the process is runnable."""
+    import atexit
+    import importlib.util
+
+    from course.launcher.run import STARTUP, run_commands
+
+    result = run_commands([("", [sys.executable, "-c", "import sitecustomize; print(sitecustomize.__file__)"], {})],
+                          timeout=60, on_line=lambda line: None)
+    assert result.returncode == 0 and str(STARTUP / "sitecustomize.py") in result.output, result.output
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    spec = importlib.util.spec_from_file_location("course_startup", STARTUP / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert registered == [module._let_threads_finish]
+    if sys.platform == "linux":
+        stop = threading.Event()
+        spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
+        spinner.start()
+        try:  # a spinning thread counts as runnable at least sometimes
+            assert any(module._runnable_threads() > 0 for _ in range(2000))
+        finally:
+            stop.set()
+            spinner.join()
