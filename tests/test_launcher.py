@@ -597,7 +597,7 @@ def test_a_hang_names_the_rank_that_timed_out_first_not_the_first_to_exit(tmp_pa
     assert "all_reduce" in result.failure and "Timed out waiting 4000ms" in result.failure
 
 
-def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch):
+def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch, tmp_path):
     """Gloo's exit race: every job run_commands starts imports course/launcher/startup/sitecustomize.py, whose
     exit handler waits (while torch.distributed is loaded) until no other thread of the process is runnable."""
     import atexit
@@ -608,6 +608,10 @@ def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch):
     result = run_commands([("", [sys.executable, "-c", "import sitecustomize; print(sitecustomize.__file__)"], {})],
                           timeout=60, on_line=lambda line: None)
     assert result.returncode == 0 and str(STARTUP / "sitecustomize.py") in result.output, result.output
+    (tmp_path / "sitecustomize.py").write_text("print('the environment own sitecustomize ran')\n")
+    result = run_commands([("", [sys.executable, "-c", "pass"], {"PYTHONPATH": str(tmp_path)})],
+                          timeout=60, on_line=lambda line: None)
+    assert "the environment own sitecustomize ran" in result.output, result.output  # not shadowed
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     spec = importlib.util.spec_from_file_location("course_startup", STARTUP / "sitecustomize.py")

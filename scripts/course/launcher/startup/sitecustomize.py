@@ -52,4 +52,17 @@ def _let_threads_finish() -> None:
         time.sleep(0.002)  # releases the interpreter lock
 
 
+def _run_the_environments_own() -> None:
+    """This module takes the name ``sitecustomize``: run the one the environment has further down the path, if any."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != here])
+    if spec and spec.loader:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 atexit.register(_let_threads_finish)
+_run_the_environments_own()
