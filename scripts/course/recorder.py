@@ -256,10 +256,12 @@ def main():
 
         training.install(record, now)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
-    sys.addaudithook(_audit)
     atexit.register(_save_record)
     threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
     _instrument()
+    # After torch is imported: the hook sees every audit event from here on, and importing torch under it
+    # (tens of thousands of events, each a Python call) cost each rank about 1.5 s of CPU.
+    sys.addaudithook(_audit)
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as error:
