@@ -48,16 +48,17 @@ def two_at_a_time(fn, items) -> list:
         return list(pool.map(fn, items))
 
 
+@contextlib.contextmanager
 def second_configuration():
     """Every launched exercise's check run with its module's CONFIGS[1] (the lab's 6c: CONFIGS_C[1])."""
     modules = {sys.modules[ex.check.__module__] for ex in EXERCISES.values() if ex.launches}
     patches = [mock.patch.object(m, name, getattr(m, both)[1]) for m in modules
                for name, both in (("CONFIG", "CONFIGS"), ("CONFIG_C", "CONFIGS_C")) if hasattr(m, both)]
     assert len(patches) == len(modules) + 1, "every launched exercise has a second configuration"
-    stack = contextlib.ExitStack()
-    for p in patches:
-        stack.enter_context(p)
-    return stack
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
 
 
 LATENT = next(c for c in CASES if c.key == "9" and c.expect == "counts")  # wrong only where an expert gets no token

@@ -7,9 +7,8 @@ each an edit of the reference solution (or a whole script), with the diagnosis w
         case.script()                      # the script's text: the solution with case.edits applied
 
 The benchmark (``python -m course.bench_checker``, in ``make bench``) checks every case and writes how often the
-checker is wrong: false PASS
-(a wrong solution passes), false FAIL (a correct alternative fails) and the share of mistakes whose first hint
-names them. ``Case.cls`` names the class of checker error a case guards against (issue 34), when it has one:
+checker is wrong: false PASS (a wrong solution passes), false FAIL (a correct alternative fails) and the share of
+mistakes whose first hint names them. ``Case.cls`` names the class of checker error a case guards against (issue 34), when it has one:
 ``false-pass``, ``false-fail``, ``averaged`` (an average where a sum belongs, or the reverse), ``crash``
 (one rank's own error, its partner then reporting the closed connection), ``shape``, ``splits``,
 ``own-hint`` (a diagnosis that needs a hint of its own) and ``race`` (a diagnosis that must not change
