@@ -34,7 +34,7 @@ Used by notebooks and tests:
   drawings each
 - ``course.choose``      which parallelism fits: memory and communication per layout (notebook 12's table)
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
-- ``course.recorder``    run a script under torchrun and record what each rank did (``recorder_collectives``,
+- ``course.recorder``    a package: what runs inside the ranks (``recorder.py``, ``recorder_collectives``,
   ``recorder_training``): the one recorder of the exercise checker and the doctor
 - ``course.exercises``   notebook 09's checker, a package: exercises checked against a one-process reference
 - ``course.doctor``      the DDP doctor, a package: runs a learner's own script and names its mistakes (09b)

@@ -1,4 +1,4 @@
-"""Running a learner's script for the doctor: N processes under the recorder (``course/recorder.py``), on one node
+"""Running a learner's script for the doctor: N processes under the recorder (``course/recorder/recorder.py``), on one node
 or as simulated nodes, bounded by a timeout; a hang is stopped only after every rank has said where it was. After
 the run the learner's folders are as they were: files the script overwrote are restored, files it created are
 moved into the doctor's folder."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from course import SCRIPTS
 
-RECORDER = SCRIPTS / "course" / "recorder.py"
+RECORDER = SCRIPTS / "course" / "recorder" / "recorder.py"
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Reading and running a learner's script: what is reported without running anything (a missing file, a syntax
 error, gaps still marked ``...  # TODO``), launching it on ``NPROC`` processes under the recorder
-(``course/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
+(``course/recorder/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
 into a verdict that names the rank and the line of the learner's script, and calling learner code in this
 process under a time limit (exercises checked without processes).
 """
@@ -23,7 +23,7 @@ from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
 from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 
-RECORDER = Path(__file__).parents[1] / "recorder.py"
+RECORDER = Path(__file__).parents[1] / "recorder" / "recorder.py"
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
 LAUNCH_TIMEOUT_S = 90  # wall-clock limit of a whole launch (a loop that never ends); check(timeout=) changes it
 CALL_LIMIT_S = 10  # a call into learner code made in this process
