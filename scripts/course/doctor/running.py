@@ -12,9 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course import SCRIPTS
-
-RECORDER = SCRIPTS / "course" / "recorder" / "recorder.py"
+from course.recorder import ENTRY as RECORDER
 
 
 @dataclass

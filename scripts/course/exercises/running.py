@@ -22,8 +22,8 @@ import torch
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
 from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
+from course.recorder import ENTRY as RECORDER
 
-RECORDER = Path(__file__).parents[1] / "recorder" / "recorder.py"
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
 LAUNCH_TIMEOUT_S = 90  # wall-clock limit of a whole launch (a loop that never ends); check(timeout=) changes it
 CALL_LIMIT_S = 10  # a call into learner code made in this process
