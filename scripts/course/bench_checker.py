@@ -9,6 +9,14 @@ a wrong solution diagnosed as the set names it gets the first hint written for t
 names the mistake**). With ``--repeat N`` every case runs N times and a case whose diagnosis changes is
 **unstable**. Also measured: each check's wall time (median, max) and the processes left behind (none
 should be). Printed, and written with every case's diagnosis to runs/benchmarks/checker/metrics.json.
+
+**How "names the mistake" is judged**: every wrong solution of the set declares the kind of mistake it is
+(``Case.expect``, a diagnosis id of the checker). Its first rung is ``named`` when the check's diagnosis is that
+id (and the rung shown is the first of that diagnosis's ladder); ``generic`` when the diagnosis is one that says
+only where to look (``hints.GENERIC``: a crash or a hang not read further, a plain difference); ``misleading``
+when it is another specific diagnosis (its first rung names a kind of mistake the script does not have);
+``passed`` for a false PASS. Counted per exercise and per group of cases (``Case.group``: the older set, issue
+44's kinds, and the held-out set written before the rules for those kinds, reported apart).
 The tests hold each case to its diagnosis; this measures the rates, as a course with a grader should.
 """
 
@@ -49,11 +57,21 @@ def run_case(case, root: Path, attempt: int) -> dict:
     path.write_text(case.script())
     start = time.monotonic()
     result = check(case.key, path, work_dir=folder / "work", results_file=folder / "results.json", show=False)
+    right = result.passed if case.correct else (not result.passed and result.diagnosis == case.expect
+                                                and result.hint_level == 1)
     return {"case": case.id, "exercise": case.key, "expect": case.expect, "class": case.cls,
-            "status": result.status, "diagnosis": result.diagnosis, "launched": EXERCISES[case.key].launches,
-            "seconds": round(time.monotonic() - start, 1),
-            "right": result.passed if case.correct else (not result.passed and result.diagnosis == case.expect
-                                                          and result.hint_level == 1)}
+            "group": case.group or "older", "status": result.status, "diagnosis": result.diagnosis,
+            "launched": EXERCISES[case.key].launches, "seconds": round(time.monotonic() - start, 1), "right": right,
+            "first_rung": None if case.correct else first_rung(result.passed, result.diagnosis, right)}
+
+
+def first_rung(passed: bool, diagnosis: str, right: bool) -> str:
+    """The class of a wrong solution's first rung (the module's docstring says how it is judged)."""
+    from course.exercises.hints import GENERIC
+
+    if passed:
+        return "passed"
+    return "named" if right else "generic" if diagnosis in GENERIC else "misleading"
 
 
 def rates(rows: list[dict]) -> dict:
@@ -63,13 +81,14 @@ def rates(rows: list[dict]) -> dict:
     false_pass = [r["case"] for r in mistakes if r["status"] == "pass"]
     false_fail = [r["case"] for r in correct if r["status"] != "pass"]
     named = [r for r in mistakes if r["right"]]
-    return {"mistakes": len(mistakes), "correct_alternatives": len(correct),
+    classes = {k: sum(r["first_rung"] == k for r in mistakes) for k in ("named", "generic", "misleading", "passed")}
+    return {"first_rung": classes, "mistakes": len(mistakes), "correct_alternatives": len(correct),
             "false_pass": len(false_pass), "false_pass_rate": round(len(false_pass) / max(len(mistakes), 1), 3),
             "false_fail": len(false_fail), "false_fail_rate": round(len(false_fail) / max(len(correct), 1), 3),
             "first_hint_names_mistake": len(named),
             "first_hint_rate": round(len(named) / max(len(mistakes), 1), 3),
             "false_pass_cases": false_pass, "false_fail_cases": false_fail,
-            "misnamed_cases": [f"{r['case']}: {r['diagnosis']} (expected {r['expect']})" for r in mistakes
+            "misnamed_cases": [f"{r['case']}: {r['diagnosis']} ({r['first_rung']}; expected {r['expect']})" for r in mistakes
                                if not r["right"] and r["status"] != "pass"]}
 
 
@@ -80,9 +99,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--jobs", type=positive_int, default=2, help="checks at a time (each launches 2 processes)")
     parser.add_argument("--repeat", type=positive_int, default=1, help="runs of every case (stability)")
     parser.add_argument("--only", nargs="+", metavar="EXERCISE", help="only these exercises' cases (e.g. 4 6a 9)")
+    parser.add_argument("--group", nargs="+", choices=("older", "rungs", "held-out"),
+                        help="only these groups of cases (Case.group; older: the set before issue 44)")
     parser.add_argument("--run-dir", type=repo_path, default="runs/benchmarks/checker")
     args = parser.parse_args(argv)
-    cases = [c for c in CASES if not args.only or c.key in args.only]
+    cases = [c for c in CASES if (not args.only or c.key in args.only)
+             and (not args.group or (c.group or "older") in args.group)]
 
     log = RunLog(args.run_dir, benchmark="exercise checker", cases=len(cases), jobs=args.jobs, repeat=args.repeat)
     with tempfile.TemporaryDirectory(prefix="bench_checker_") as tmp:
@@ -104,17 +126,21 @@ def main(argv=None) -> dict:
     per_exercise = {key: {k: v for k, v in rates([r for r in first if r["exercise"] == key]).items()
                           if not k.endswith("_cases")} for key in dict.fromkeys(r["exercise"] for r in first)}
     total = rates(first)
-    metrics = {**total, "per_exercise": per_exercise, "unstable_cases": unstable, "repeat": args.repeat,
+    per_group = {g: {k: v for k, v in rates([r for r in first if r["group"] == g]).items() if not k.endswith("_cases")}
+                 for g in dict.fromkeys(r["group"] for r in first)}
+    metrics = {**total, "per_exercise": per_exercise, "per_group": per_group, "unstable_cases": unstable, "repeat": args.repeat,
                "check_seconds_median": round(statistics.median(launched), 1) if launched else None,
                "check_seconds_max": max(launched, default=None), "processes_left": left,
                "bench_wall_s": round(wall, 1), "cases": runs}
 
     print(f"{len(cases)} cases ({total['mistakes']} wrong solutions, {total['correct_alternatives']} correct "
           f"alternatives), {args.repeat} run(s) each, {args.jobs} at a time, {wall:.0f} s")
-    print(f"{'exercise':>8}  {'mistakes':>8}  {'first hint names it':>19}  {'false PASS':>10}  {'false FAIL':>10}")
-    for key, r in per_exercise.items():
+    print(f"{'exercise':>8}  {'mistakes':>8}  {'first hint names it':>19}  {'generic':>7}  {'misleading':>10}  "
+          f"{'false PASS':>10}  {'false FAIL':>10}")
+    for key, r in [*per_exercise.items(), *((f"[{g}]", r) for g, r in per_group.items())]:
         print(f"{key:>8}  {r['mistakes']:>8}  {r['first_hint_names_mistake']:>10} ({r['first_hint_rate']:.0%})"
-              f"{'':>3}  {r['false_pass']:>10}  {r['false_fail']:>10}")
+              f"{'':>3}  {r['first_rung']['generic']:>7}  {r['first_rung']['misleading']:>10}  {r['false_pass']:>10}  "
+              f"{r['false_fail']:>10}")
     print(f"all: false PASS {total['false_pass']}/{total['mistakes']}, false FAIL {total['false_fail']}/"
           f"{total['correct_alternatives']}, first hint names the mistake {total['first_hint_names_mistake']}/"
           f"{total['mistakes']} ({total['first_hint_rate']:.0%}); check wall time median "

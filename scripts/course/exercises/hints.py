@@ -68,6 +68,12 @@ COMMON_HINTS["factor"] = [
      "batch: one sum over the ranks, divided once by the world size (and losses divided by the micro-batches).")]
 
 
+# Diagnoses whose first rung says where to look, not which kind of mistake it is (a crash or a hang not read
+# further, a plain difference): the benchmark counts a first rung for one of them as "generic" (course.bench_checker).
+GENERIC = frozenset({"crash", "hang", "differs", "loss-differs", "wrong-output", "wrong-weight-grad", "wrong-input-grad",
+                     "outputs", "stage1", "later-step", "indices", "steps", "val-count", "params-differ"})
+
+
 UNKNOWN = [("Read the line above: it says what the check measured. Compare that part of your script with the exercise's "
            "description (tests/test_exercises_api.py holds every diagnosis to a hint of its own, so this is a gap).")]
 
