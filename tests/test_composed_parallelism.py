@@ -57,7 +57,7 @@ def test_chooser_counts_tensor_parallel_activations_and_the_pipeline_by_hand():
     # computes 4 x 8192 tokens; a middle stage sends their activations forward and their gradients back
     assert pp.mesh == "4 x 8 (pp, dp)" and pp.gb_per_gpu == tp.gb_per_gpu
     assert pp.inter_bytes == 2 * (4 * 8192) * 4096 * 4 == 1_073_741_824
-    assert pp.intra_bytes == pytest.approx(3 * 7 / 8 * 4 * 7e9 / 4)
+    assert pp.intra_bytes == pytest.approx(2 * 7 / 8 * 4 * 7e9 / 4)  # 1 all-gather + 1 reduce-scatter in a stage
     assert pp.bubble == pytest.approx(3 / 19)  # (p - 1)/(m + p - 1), m = 4 per stage
     # the bubble is shown, not picked: HSDP fits without one
     assert pick(list(rows.values())).name == "HSDP"

@@ -5,16 +5,18 @@ the ring formulas and notebook 10's and 11's collectives, and a pick.
     from course.choose import layouts, pick, table, widget
     rows = layouts(psi=70e9, gpu_gb=80, gpus_per_node=8, nodes=16,   # the model and the cluster
                    tokens=8192, width=8192, layers=80)               # its shape and the tokens per GPU per step
-    pick(rows)            # of those that fit, the one sending the fewest bytes between nodes (no bubble)
-    print(table(rows))    # one line per layout, then the pick, in words computed from the numbers
+    pick(rows)            # of those that fit, the one sending the fewest bytes between nodes (RULE)
+    print(table(rows))    # the bandwidths, one line per layout, then the pick and its rule, computed from the numbers
     widget()              # sliders that call layouts() and print the table again (needs a live kernel)
 
 ``layouts`` returns ``Layout`` rows (name, mesh, gb_per_gpu, fits, intra_bytes, inter_bytes, bubble, note), in
 this order: DDP, HSDP, FSDP2, FSDP2 x TP, FSDP2 x PP. The same global batch everywhere: ``tokens`` per GPU per
 step (sequences x positions), so a group of t GPUs that computes one replica together (TP, PP) works on
-t x ``tokens``. ``width`` and ``layers`` default to a transformer of ``psi`` parameters with width = 128 x layers
-(12 layers width^2 = psi, GPT-3- and Llama-like proportions); ``microbatches`` to 4 per pipeline stage
-(GPipe's rule of thumb). Everything is fp32 (``BYTES`` = 4), as the course trains.
+t x ``tokens``. ``width`` and ``layers`` default to ``shape(psi)``: a published shape for the sizes in ``SHAPES``,
+else a transformer with width = 128 x layers (12 layers width^2 = psi, GPT-3- and Llama-like proportions); ``microbatches`` to 4 per pipeline stage
+(GPipe's rule of thumb). Everything is fp32 (``BYTES`` = 4), as the course trains. ``TOKENS`` and ``SHAPES``
+are the tokens per GPU and the (layers, width) that notebooks 09b and 12 print, so that both print the same
+figures for the same cluster.
 
 - **Memory:** model states only (fp32 parameters and gradients, Adam's two moments: 16 bytes per parameter,
   divided as each layout divides them); activations are left out, so a layout "fits" when its model states
@@ -26,8 +28,14 @@ t x ``tokens``. ``width`` and ``layers`` default to a transformer of ``psi`` par
   nodes, and tensor parallelism's activations inside the node: per block, the all-reduces that
   ``course.comm_count.predict_block`` predicts for notebook 10's GPT (2 forward, 4 backward; q, k and v are
   separate layers), each of one activation (tokens x width x 4 bytes).
+- **HSDP** on one node is FSDP2 with a single replica: its row says so and ``pick`` skips it (HSDP is for
+  crossing nodes).
 - **FSDP2 x PP** (pp = the nodes, one stage each, dp = the GPUs of a node; on one node pp = its GPUs):
-  FSDP2's traffic on 1/pp of the parameters inside each stage's group, and the pipeline's point-to-point sends
+  FSDP2's traffic on 1/pp of the parameters inside each stage's group, one all-gather and one reduce-scatter
+  per step: ``torch.distributed.pipelining`` keeps the gathered parameters and defers the gradient sync until
+  the last micro-batch (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``), with
+  ``reshard_after_forward=False`` as torchtitan sets it under a pipeline (with True, the forward gathers again
+  for every micro-batch); and the pipeline's point-to-point sends
   (notebook 11): a middle stage sends its micro-batches' activations forward and their gradients back.
   Its bubble, (p - 1)/(m + p - 1) of each GPU's compute time, costs time this table cannot price (it does not
   model compute): ``pick`` therefore takes a layout with a bubble only when no layout without one fits.
@@ -44,6 +52,11 @@ from course.sharding import SENT, model_states, predict
 
 GB = 1e9
 BYTES = 4  # fp32 activations and parameters, as the course trains
+TOKENS = 8192  # tokens each GPU computes per step (e.g. 2 sequences of 4096), as notebooks 09b and 12 assume
+SHAPES = {125e6: (12, 768), 1e9: (20, 2048), 7e9: (32, 4096), 70e9: (80, 8192)}  # (layers, width): GPT-2 small,
+# then Llama-like shapes; notebooks 09b and 12 print these
+RULE = ("of the layouts that fit, the fewest bytes between nodes; a pipeline only when nothing else fits (its "
+        "bubble costs compute time the bytes do not show); on a tie, the simpler layout; HSDP only across nodes")
 
 
 @dataclass
@@ -56,17 +69,22 @@ class Layout:
     inter_bytes: float  # sent per GPU and step between nodes
     note: str = ""
     bubble: float = 0.0  # share of each GPU's compute time idle in the pipeline's bubble
+    same_as: str = ""  # the simpler layout this row equals here (HSDP on one node: FSDP2); pick skips it
 
 
 def shape(psi: float) -> tuple[int, int]:
-    """(layers, width) of a transformer of about ``psi`` parameters with width = 128 x layers (12 L W^2 = psi)."""
+    """(layers, width) of a transformer of about ``psi`` parameters: ``SHAPES``' entry for a size listed there,
+    else width = 128 x layers (12 L W^2 = psi)."""
+    if psi in SHAPES:
+        return SHAPES[psi]
     layers = max(1, round((psi / (12 * 128 ** 2)) ** (1 / 3)))
     return layers, 128 * layers
 
 
-def fsdp_bytes(psi: float, n: int) -> float:
-    """Bytes one rank sends per step for FSDP over n ranks: all-gather forward and backward, reduce-scatter."""
-    return 2 * SENT["all-gather"](BYTES * psi, n) + SENT["reduce-scatter"](BYTES * psi, n) if n > 1 else 0.0
+def fsdp_bytes(psi: float, n: int, gathers: int = 2) -> float:
+    """Bytes one rank sends per step for FSDP over n ranks: ``gathers`` all-gathers of the parameters (forward
+    and backward; 1 inside a pipeline stage, see the module docstring) and one reduce-scatter of the gradients."""
+    return gathers * SENT["all-gather"](BYTES * psi, n) + SENT["reduce-scatter"](BYTES * psi, n) if n > 1 else 0.0
 
 
 def tp_bytes(tp: int, tokens: float, width: int, layers: int) -> float:
@@ -92,7 +110,7 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def layouts(psi: float, gpu_gb: float, gpus_per_node: int, nodes: int, tokens: int = 8192,
+def layouts(psi: float, gpu_gb: float, gpus_per_node: int, nodes: int, tokens: int = TOKENS,
             width: int | None = None, layers: int | None = None, microbatches: int | None = None,
             headroom: float = 0.8) -> list[Layout]:
     """Five layouts of ``nodes`` x ``gpus_per_node`` GPUs for ``psi`` parameters, simplest first (see the module
@@ -111,7 +129,9 @@ def layouts(psi: float, gpu_gb: float, gpus_per_node: int, nodes: int, tokens: i
                ddp_sent if r > 1 else 0.0, "every GPU holds everything" + crosses),
         Layout("HSDP", f"{r} x {g} (replicate, shard)", hsdp / GB, hsdp <= limit, fsdp_bytes(psi, g),
                SENT["all-reduce"](BYTES * psi / g, r) if r > 1 else 0.0,
-               "sharded inside a node" + (f"; 1/{g} of the gradients all-reduced across nodes" if r > 1 else "")),
+               "sharded inside a node" + (f"; 1/{g} of the gradients all-reduced across nodes" if r > 1
+                                          else "; on one node the same as FSDP2"),
+               same_as="" if r > 1 else "FSDP2"),
         Layout("FSDP2", f"{n} (shard)", sharded / GB, sharded <= limit, fsdp_bytes(psi, n) if r == 1 else 0.0,
                fsdp_bytes(psi, n) if r > 1 else 0.0, "sharded over every GPU" + crosses),
     ]
@@ -125,26 +145,29 @@ def layouts(psi: float, gpu_gb: float, gpus_per_node: int, nodes: int, tokens: i
     pp_sent = pp_bytes(pp, pp * tokens, width)  # a pipeline replica of pp GPUs computes pp x tokens tokens
     idle = bubble(pp, m)
     rows.append(Layout("FSDP2 x PP", f"{pp} x {dp} (pp, dp)", sharded / GB, sharded <= limit,
-                       fsdp_bytes(psi / pp, dp) + (pp_sent if r == 1 else 0.0), pp_sent if r > 1 else 0.0,
+                       fsdp_bytes(psi / pp, dp, gathers=1) + (pp_sent if r == 1 else 0.0), pp_sent if r > 1 else 0.0,
                        f"{pp} stages, m = {m}: bubble {idle:.0%} of compute; activations "
                        + ("between nodes" if r > 1 else "inside the node"), bubble=idle))
     return rows
 
 
 def pick(rows: list[Layout]) -> Layout | None:
-    """Of the layouts that fit, the one that sends the fewest bytes between nodes (the slow link), on a tie the
-    earlier one in the table (less machinery); a layout with a pipeline bubble only when none without one fits
-    (its idle compute is a cost the bytes do not show). None if none fits."""
-    fitting = [row for row in rows if row.fits]
+    """``RULE``: of the layouts that fit, the one that sends the fewest bytes between nodes (the slow link), on a
+    tie the earlier one in the table (less machinery); a layout with a pipeline bubble only when none without one
+    fits (its idle compute is a cost the bytes do not show); never a row that equals a simpler one here (HSDP on
+    one node). None if none fits."""
+    fitting = [row for row in rows if row.fits and not row.same_as]
     free = [row for row in fitting if row.bubble == 0] or fitting
     return min(free, key=lambda row: row.inter_bytes) if free else None
 
 
 def table(rows: list[Layout], intra_gbps: float = 450.0, inter_gbps: float = 50.0) -> str:
     """The layouts as text: memory, fit, bytes sent per GPU and step, and those bytes in milliseconds at the
-    given bandwidths (GB/s per GPU; defaults: an NVLink-class node, a 400 Gb/s network); then the pick."""
+    given bandwidths (GB/s per GPU; defaults: an NVLink-class node, a 400 Gb/s network); then the pick and its
+    rule."""
     head = f"{'layout':<12}{'mesh':<28}{'GB/GPU':>8}  {'fits':<5}{'node GB':>9}{'ms':>7}{'network GB':>12}{'ms':>7}"
-    lines = [f"{head}  note"]
+    speeds = f"{intra_gbps:g} GB/s per GPU inside a node, {inter_gbps:g} GB/s between nodes"
+    lines = [f"ms = bytes / bandwidth: {speeds} (lower bounds, no overlap)", f"{head}  note"]
     for row in rows:
         lines.append(f"{row.name:<12}{row.mesh:<28}{row.gb_per_gpu:>8.1f}  {'yes' if row.fits else 'no':<5}"
                      f"{row.intra_bytes / GB:>9.2f}{1e3 * row.intra_bytes / (intra_gbps * GB):>7.0f}"
@@ -153,7 +176,7 @@ def table(rows: list[Layout], intra_gbps: float = 450.0, inter_gbps: float = 50.
     if best is None:
         lines.append("none fits: model states need more GPUs (no layout here holds less than 16 psi / N)")
         return "\n".join(lines)
-    lines.append(f"fits, and sends the fewest bytes between nodes: {best.name} ({best.mesh})")
+    lines += [f"pick: {best.name} ({best.mesh})", f"the rule: {RULE}"]
     fewer = [row for row in rows if row.fits and row.bubble and row.inter_bytes < best.inter_bytes]
     for row in fewer:
         lines.append(f"{row.name} would send {row.inter_bytes / GB:.2f} GB between nodes instead of "

@@ -133,7 +133,7 @@ def uneven(records: dict, facts) -> None:
     if len(set(counts.values())) > 1 and not any(rec.get("join") for rec in records.values()):
         facts.add(Finding(
             "uneven-batches", "The ranks have different numbers of training batches per epoch: at the end, the "
-            "ranks with more wait forever for the others in DDP's all-reduce.",
+            "ranks with more wait in DDP's all-reduce until the process-group timeout ends the job.",
             ", ".join(f"rank {r}: {n} batches" for r, n in sorted(counts.items())),
             "make the shards equal (DistributedSampler pads them; or drop_last=True), or wrap the loop in "
             "`with Join([model]):`"))
@@ -213,7 +213,8 @@ def writes(records: dict, facts) -> None:
         counts = sorted({len(by_path.get(p, folders.get(p, ()))) for p in shared + shared_tb})
         facts.add(Finding(
             "rank-writes", "Several ranks write the same files: they overwrite each other (a checkpoint can be "
-            "torn, a log garbled, TensorBoard gets one curve per rank).",
+            "torn, a log garbled), and TensorBoard reads all ranks' event files in one folder as one series whose "
+            "steps jump back.",
             f"written by {'/'.join(map(str, counts))} ranks: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
             "write checkpoints, logs and TensorBoard events on rank 0 only (`if dist.get_rank() == 0:`)"
             + _local_rank_hint(records)))

@@ -134,7 +134,8 @@ def gradients(records: dict, facts) -> None:
                     "replicas drift apart.", f"before optimizer step {key[1]} the gradients of rank "
                     + ", ".join(f"{r} are {f:.4g}x" for r, f in factors.items()) + f" rank {ranks[0]}'s ({', '.join(bad[:3])})",
                     "keep per-rank state that scales the gradients identical on every rank: a "
-                    "GradScaler restored from a checkpoint on one rank only, a loss scale, a learning rate"))
+                    "GradScaler restored from a checkpoint on one rank only, or any per-rank division of `.grad` "
+                    "after the all-reduce"))
                 return
             every = len(bad) == len(g0["names"])
             facts.add(Finding(
