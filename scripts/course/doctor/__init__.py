@@ -9,7 +9,11 @@ What it runs: the script as torchrun would (its own arguments, its working direc
 GPU where there are 2 or more; on a CPU machine as 2 nodes of 1 process, so that LOCAL_RANK differs from RANK as
 on a cluster), each training pass over a DataLoader cut to ``steps`` batches, the process-group timeout cut to
 ``hang_after`` seconds, the whole job to ``timeout``; nothing is left running. Afterwards your folders are as they
-were: files the script overwrote are restored, files it created are moved to ``runs/doctor/<script>/files``.
+were: files the script overwrote or deleted are restored, files it created are moved to the ``files`` folder of
+the doctor's folder for the script (``runs/doctor/<script>-<key>/files``, the key from the script's full path).
+Scripts as people write them run too (``running``): written for CUDA and NCCL (on a CPU machine, with a CPU
+stand-in), starting their own processes (``mp.spawn``: run once, as ``python script.py``), or taking
+``--local_rank``.
 With ``compare_batch_arg="--batch-size"`` it also runs 1 process with that argument's value (the global batch)
 and N processes with 1/N of it, and compares the first steps' losses (notebook 03's proof, on your script).
 
@@ -181,8 +185,12 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
           folder=None, show: bool = True, on_line=None) -> Report:
     """Run the doctor on ``script`` (see the module's docstring); show and return the report.
     cwd: the script's working directory (default: this process's); folder: where the records, the report and
-    the files the run created go (default runs/doctor/<script name>; claimed: one doctor run at a time).
-    Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad argument."""
+    the files the run created go (default runs/doctor/<script name>-<key of its path>; claimed: one doctor run
+    at a time). Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad
+    argument; RunDirBusy when another doctor is checking the same script."""
+    import hashlib
+
+    from course.doctor.running import style
     from course.hardware import accelerator
     from course.rundir import STAGING, claim_run_dir, publish
 
@@ -192,26 +200,31 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
     acc, count = accelerator()
     gpus = count if acc and acc != "mps" else 0
     nproc = nproc or (max(gpus, 2))
-    nodes = nodes or (1 if gpus >= 2 else nproc)
+    how = style(path, gpus, nproc)
+    nodes = nodes or (1 if gpus >= 2 or how["launch"] == "spawn" else nproc)
+    if how["launch"] == "spawn" and nodes != 1:
+        raise ValueError("the script starts its own processes: it runs on one node (no --nodes)")
     if nproc < 2 or nproc % nodes:
         raise ValueError(f"nproc={nproc}, nodes={nodes}: the doctor needs 2 processes or more, split evenly over nodes")
     job = Job(path, [str(a) for a in args], nproc, nodes, Path(cwd or Path.cwd()).resolve(), timeout, hang_after,
-              steps)
+              steps, **how)
     if compare_batch_arg:
         index = _arg_index(job.args, compare_batch_arg)
         if int(job.args[index]) % nproc:
             raise ValueError(f"{compare_batch_arg} {job.args[index]} does not split over {nproc} processes")
         job.args[index] = str(int(job.args[index]) // nproc)
-    folder = Path(folder) if folder else RUNS / "doctor" / path.stem
+    key = hashlib.sha1(str(path).encode()).hexdigest()[:8]  # two projects' train.py: two folders
+    folder = Path(folder) if folder else RUNS / "doctor" / f"{path.stem}-{key}"
     start = time.monotonic()
     with claim_run_dir(folder):
         work = folder / STAGING
         shutil.rmtree(work, ignore_errors=True)
-        n_run = run(job, work / "job", on_line=on_line)
+        n_run = run(job, work / "job", on_line=on_line, files=work / "files")
         if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
             job.steps = 0
-            n_run = run(job, work / "job-uncut", on_line=on_line)
+            n_run = run(job, work / "job-uncut", on_line=on_line, files=work / "files")
         report = diagnose(n_run)
+        _how_it_ran(n_run, report)
         if compare_batch_arg and not report.error:
             _compare(job, compare_batch_arg, work, report, n_run)
         report.seconds = time.monotonic() - start
@@ -221,6 +234,27 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
     if show:
         _show(report)
     return report
+
+
+def _how_it_ran(run: Run, report: Report) -> None:
+    """What the runner did that the report's reader must know: the launch style, the CPU stand-in and what it
+    cannot see, files it could not put back."""
+    if run.job.launch == "spawn":
+        report.command += "; started once as `python script`, its processes recorded"
+    if run.job.local_rank_arg:
+        report.command += f"; given {run.job.local_rank_arg} as torch.distributed.launch gives it"
+    sites = run.standin_sites
+    if sites:
+        report.command += f"; CUDA/NCCL on a CPU stand-in at {len(sites)} call site{'s' if len(sites) > 1 else ''}"
+        report.unchecked.append(
+            f"what needs a GPU: the script ran on the CPU with gloo for nccl ({', '.join(sites[:6])}"
+            f"{' ...' if len(sites) > 6 else ''}), so GPU-only code paths, NCCL-only behaviour (its own timeouts, "
+            "asynchronous errors, stream ordering) and speed were not seen")
+    if run.ended_early:
+        report.unchecked.append(run.ended_early)
+    if run.lost:
+        report.files = (report.files + "; " if report.files else "") + \
+            f"could not restore {len(run.lost)} file(s): {', '.join(run.lost[:4])}"
 
 
 def _show(report: Report) -> None:

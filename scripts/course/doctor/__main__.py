@@ -15,8 +15,8 @@ class Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     parser = Parser(
         prog="python -m course.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Everything after SCRIPT goes to the script. Files it overwrites are restored afterwards; files it "
-               "creates are moved to runs/doctor/<script>/files.")
+        epilog="Everything after SCRIPT goes to the script. Files it overwrites or deletes are restored afterwards; "
+               "files it creates are moved to runs/doctor/<script>-<key>/files.")
     parser.add_argument("--nproc", type=positive_int, default=None, help="processes (default: 2, or one per GPU)")
     parser.add_argument("--nodes", type=positive_int, default=None,
                         help="simulated nodes (default: one per process on a CPU machine, 1 with GPUs)")
@@ -31,14 +31,18 @@ def main(argv=None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
     from course.doctor import check
+    from course.train_utils import CourseError
 
     try:
         report = check(options.script, options.args, options.nproc, nodes=options.nodes, timeout=options.timeout,
                        hang_after=options.hang_after, steps=options.steps,
                        compare_batch_arg=options.compare_batch_arg,
                        on_line=(lambda line: print(line, end="", flush=True)) if options.show_output else None)
-    except ValueError as error:
+    except (ValueError, CourseError) as error:  # a bad argument; another doctor checking the same script
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted: every process of the job was ended and your files were put back", file=sys.stderr)
         return 2
     return report.status
 

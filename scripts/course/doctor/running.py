@@ -1,14 +1,28 @@
 """Running a learner's script for the doctor: N processes under the recorder (``course/recorder/recorder.py``), on one node
 or as simulated nodes, bounded by a timeout; a hang is stopped only after every rank has said where it was. After
-the run the learner's folders are as they were: files the script overwrote are restored, files it created are
-moved into the doctor's folder."""
+the run the learner's folders are as they were: files the script overwrote or deleted are restored, files it
+created are moved into the doctor's folder (``files``).
 
+How it runs is read from the script first (``style``), and the run proves it:
+- a script that starts its own processes (``mp.spawn``, ``start_processes``, ``multiprocessing.Process``) runs
+  once, as its author runs it (``python script.py``), with the recorder in every process it starts, and its own
+  rendezvous port replaced by a free one (never two worlds at once, never a port another job holds);
+- a script that takes ``--local_rank``/``--local-rank`` gets it, as ``torch.distributed.launch`` gave it;
+- a script written for CUDA or NCCL runs with the CPU stand-in (``recorder_standin.py``) when the machine has
+  fewer accelerators than the doctor's ranks; one that never asks ``torch.cuda.is_available()`` is told that
+  CUDA is there, so that it takes the path its author wrote.
+A rank that fails ends the job within seconds, as under torchrun (the others first say where they are).
+"""
+
+import io
 import json
 import os
+import re
 import shutil
-import tempfile
+import sys
 import threading
 import time
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +39,10 @@ class Job:
     timeout: float = 180.0  # wall-clock limit of the whole job
     hang_after: float = 30.0  # the process-group timeout the script gets instead of its own
     steps: int = 8  # training batches per pass over a DataLoader (0: the whole pass)
+    launch: str = "torchrun"  # or "spawn": the script starts its own processes
+    standin: bool = False  # the CPU stand-in for CUDA and NCCL
+    pretend: bool = False  # the stand-in says CUDA is there (the script has no CPU path)
+    local_rank_arg: str = ""  # "--local_rank" or "--local-rank": given to the script
 
 
 @dataclass
@@ -37,7 +55,15 @@ class Run:
     seconds: float
     failure: str = ""  # the launcher's short text naming the first failing rank
     moved: list = field(default_factory=list)  # files the run created, now in the doctor's folder
-    restored: list = field(default_factory=list)  # files the run overwrote, restored
+    restored: list = field(default_factory=list)  # files the run overwrote or deleted, restored
+    lost: list = field(default_factory=list)  # files the run overwrote or deleted that could not be restored
+    parent: dict = field(default_factory=dict)  # a script that starts its own processes: its own record
+    ended_early: str = ""  # why the runner ended the job before it ended by itself
+
+    @property
+    def standin_sites(self) -> list:
+        """Where in the script the CPU stand-in redirected a CUDA or NCCL call (distinct ``file:line``)."""
+        return sorted({s for r in (*self.records.values(), self.parent) for s in r.get("standin", [])})
 
     @property
     def timed_out(self) -> bool:
@@ -58,11 +84,46 @@ def _port() -> int:
         return port
 
 
+SPAWNS = re.compile(r"\b(mp|multiprocessing|torch\.multiprocessing)\.(spawn|start_processes|Process)\s*\(|"
+                    r"\bstart_processes\s*\(|(?<![\w.])spawn\s*\(\s*\w+\s*,\s*(args|nprocs)\s*=|\bProcess\s*\(\s*target\s*=")
+CUDA = re.compile(r"cuda|nccl", re.IGNORECASE)
+
+
+def _code(source: str) -> str:
+    """The source without comments and docstrings (what the script does, not what it says)."""
+    kept = []
+    try:
+        previous = tokenize.NEWLINE
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            docstring = tok.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+            if tok.type not in (tokenize.COMMENT, tokenize.NL) and not docstring:
+                kept.append(tok.string)
+            if tok.type not in (tokenize.NL, tokenize.COMMENT):
+                previous = tok.type
+    except (tokenize.TokenError, SyntaxError):
+        return source
+    return " ".join(kept)
+
+
+def style(script: Path, gpus: int, nproc: int) -> dict:
+    """How to run ``script``, read from its code: the launch style, the CPU stand-in, a launch-style argument."""
+    code = _code(script.read_text(errors="replace"))
+    flag = next((f for f in ("--local-rank", "--local_rank") if f"'{f}'" in code or f'"{f}"' in code), "")
+    standin = gpus < nproc and bool(CUDA.search(code))
+    return {"launch": "spawn" if SPAWNS.search(code) else "torchrun", "standin": standin,
+            "pretend": standin and "is_available" not in code, "local_rank_arg": flag}
+
+
 def _commands(job: Job, log_dir: str, plain: bool = False) -> list:
     from course.launcher import plan, torchrun_command
 
     chosen = plan(job.nproc, allow_oversubscribe=True)
     script, args = (job.script, list(map(str, job.args))) if plain else (RECORDER, [str(job.script), *map(str, job.args)])
+    if job.launch == "spawn":  # once, as its author runs it: the script starts its own processes
+        port = _port()
+        extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "COURSE_RECORD_PORT": str(port),
+                 "COURSE_RECORD_GPUS": str(job.nproc)}
+        return [("", [sys.executable, str(script), *args], {**chosen.env(), **extra})]
     if job.nodes == 1:
         return [("", torchrun_command(script, job.nproc, args, ["--log-dir", log_dir]), chosen.env())]
     port = _port()
@@ -84,30 +145,63 @@ def _read(folder: Path, prefix: str) -> dict:
     return found
 
 
-def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.Event) -> None:
-    """At the timeout, ask every rank where it is (``dump-now``), give them a moment to say, then stop the job."""
-    if done.wait(job.timeout):
+def _failed(out: Path, seen: dict) -> bool:
+    """Whether a rank has ended by an error of its script (its record says so); ``seen``: records read so far."""
+    for f in out.glob("record_rank*.json"):
+        if f.name not in seen:
+            try:
+                seen[f.name] = any(e.get("in") == "script" for e in json.loads(f.read_text()).get("errors", []))
+            except (OSError, ValueError):
+                continue
+    return any(seen.values())
+
+
+def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.Event, why: list) -> None:
+    """End the job as torchrun would, and bounded: when a rank has failed (after a moment for the others to end
+    by themselves), or at the timeout; first every rank still running says where it is (``dump-now``, also
+    written by a rank whose collective timed out)."""
+    deadline, seen, failed_at = time.monotonic() + job.timeout, {}, None
+    while not done.wait(0.25):
+        if failed_at is None and _failed(out, seen):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 2 and len(seen) < job.nproc:
+            why.append("failed")
+            break
+        if time.monotonic() > deadline:
+            why.append("timeout")
+            break
+    else:
         return
     (out / "dump-now").touch()
-    deadline = time.monotonic() + 10
-    while len(list(out.glob("stuck_rank*.json"))) < job.nproc and time.monotonic() < deadline:
+    until = time.monotonic() + 10
+    while time.monotonic() < until and not done.is_set():
+        said = {f.stem.rsplit("rank", 1)[-1] for f in (*out.glob("stuck_rank*.json"), *out.glob("record_rank*.json"))}
+        if len(said) >= job.nproc:
+            time.sleep(0.3)  # its record follows its stack
+            break
         time.sleep(0.1)
     stop.set()
 
 
-def run(job: Job, out: Path, on_line=None, plain: bool = False) -> Run:
-    """Run ``job`` with its records in ``out`` (created); the learner's files are put back afterwards.
-    plain=True: the script alone, without the recorder (for measuring what the recorder costs)."""
+def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | None = None) -> Run:
+    """Run ``job`` with its records in ``out`` (created); the learner's files are put back afterwards, what the
+    run created moved to ``files`` (default ``out/files``). plain=True: the script alone, without the recorder
+    (for measuring what the recorder costs). An interrupt (Ctrl+C) ends every process and puts the files back
+    before it goes on."""
     from course.launcher import LaunchError, run_commands
+    from course.launcher.processes import log_folder
 
     out.mkdir(parents=True)
-    log_dir = tempfile.mkdtemp(prefix="course-torchrun-")
+    log_dir = log_folder()  # named after this process: removed after the job, or by the next launch if we die
     env = {"COURSE_RECORD_OUT": str(out), "COURSE_RECORD_TRAINING": "1", "COURSE_RECORD_PROTECT": "1",
            "COURSE_RECORD_STEPS": str(job.steps), "COURSE_RECORD_PG_TIMEOUT": str(job.hang_after),
-           "COURSE_RECORD_SINCE": str(time.time()), "TORCH_FR_BUFFER_SIZE": "4000"}
+           "COURSE_RECORD_SINCE": str(time.time()), "TORCH_FR_BUFFER_SIZE": "4000",
+           "COURSE_RECORD_LAUNCH": job.launch if job.launch == "spawn" else "",
+           "COURSE_RECORD_STANDIN": "1" if job.standin else "", "COURSE_RECORD_PRETEND": "1" if job.pretend else "",
+           "COURSE_RECORD_LOCAL_RANK_ARG": job.local_rank_arg}
     jobs = [(label, cmd, {**extra, **env}) for label, cmd, extra in _commands(job, log_dir, plain)]
-    stop, done = threading.Event(), threading.Event()
-    watcher = threading.Thread(target=_stop_when_hung, args=(out, job, stop, done), daemon=True)
+    stop, done, why = threading.Event(), threading.Event(), []
+    watcher = threading.Thread(target=_stop_when_hung, args=(out, job, stop, done, why), daemon=True)
     watcher.start()
     start = time.monotonic()
     lines: list[str] = []
@@ -115,27 +209,56 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False) -> Run:
         result = run_commands(jobs, timeout=job.timeout + 30, on_line=on_line or lines.append, stop=stop,
                               cwd=job.cwd, _remove=[log_dir])
         code, output, failure = result.returncode, result.output, result.failure or ""
-    except LaunchError as error:  # stopped: a hang
-        code, output, failure = None, error.output or "".join(lines), ""
+    except LaunchError as error:  # stopped: a hang, or a rank failed and the others were ended
+        output = error.output or "".join(lines)
+        code, failure = (1, "") if why == ["failed"] else (None, "")
+        if code:
+            from course.launcher import describe_failure
+
+            failure = describe_failure(output, code) or ""
+    except KeyboardInterrupt:
+        done.set()
+        _put_back(Run(job, None, "", _read(out, "record_rank"), {}, time.monotonic() - start, parent=_parent(out)),
+                  out, files or out / "files")
+        raise
     finally:
         done.set()
+        shutil.rmtree(log_dir, ignore_errors=True)
     (out / "output.txt").write_text(output)
     records = _read(out, "record_rank")
-    run = Run(job, code, output, records, _read(out, "stuck_rank"), time.monotonic() - start, failure)
-    _put_back(run, out)
+    run = Run(job, code, output, records, _read(out, "stuck_rank"), time.monotonic() - start, failure,
+              parent=_parent(out), ended_early="a rank failed: the others were ended, as torchrun ends them"
+              if why == ["failed"] and code else "")
+    _put_back(run, out, files or out / "files")
     return run
 
 
-def _put_back(run: Run, out: Path) -> None:
-    """Restore what the script overwrote; move what it created into ``out/files``; drop folders it created."""
-    records = run.records.values()
+def _parent(out: Path) -> dict:
+    try:
+        return json.loads((out / "record_parent.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _put_back(run: Run, out: Path, files: Path) -> None:
+    """Restore what the script overwrote or deleted; move what it created into ``files``; drop folders it
+    created. The copies are found by their own ``.path`` notes too: a rank ended before it wrote its record."""
+    records = [*run.records.values(), run.parent]
     protected = {p: s for r in records for p, s in r.get("protected", {}).items()}
+    for note in (out / "protected").glob("*.path"):
+        try:
+            protected.setdefault(note.read_text(), str(note.with_suffix("")))
+        except OSError:
+            pass
     for path, saved in protected.items():
-        if os.path.exists(saved):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.doctor-restore"
             shutil.copy2(saved, tmp)
             os.replace(tmp, path)
             run.restored.append(path)
+        except OSError:
+            run.lost.append(path)
     cwd = str(run.job.cwd.resolve())
     # A rank that wrote a file after another rank had overwritten it in this run sees it as new: the file was
     # there before the run all the same (protected), so it is restored, never moved.
@@ -143,7 +266,7 @@ def _put_back(run: Run, out: Path) -> None:
         if not os.path.isfile(path):
             continue
         inside = path.startswith(cwd + os.sep)
-        target = out / "files" / (os.path.relpath(path, cwd) if inside else path.lstrip(os.sep))
+        target = files / (os.path.relpath(path, cwd) if inside else path.lstrip(os.sep))
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(path, target)
         run.moved.append(path)

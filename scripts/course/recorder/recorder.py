@@ -14,6 +14,15 @@ records facts that the script cannot fake or forget to report:
   the optimizer-state bytes; the indices each ``DistributedSampler`` yielded, with its epoch;
 - with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
 
+Launch styles: under torchrun (one recorder per rank, as above), or with ``COURSE_RECORD_LAUNCH=spawn`` for a
+script that starts its own processes: ``python recorder.py SCRIPT`` runs it once, as its author runs it, and every
+process it starts (``torch.multiprocessing.spawn``/``start_processes``, ``multiprocessing.Process``) runs its
+target under the recorder (``child``); a rank's number then comes from its process group. The parent's own file
+writes go to ``record_parent.json``. ``COURSE_RECORD_STANDIN=1``: the CPU stand-in for CUDA and NCCL
+(``recorder_standin.py``); ``COURSE_RECORD_LOCAL_RANK_ARG=--local_rank``: the script gets that argument, as
+``torch.distributed.launch`` gave it; ``COURSE_RECORD_PORT``: the rendezvous port the script's own
+``MASTER_PORT`` or ``tcp://`` address is replaced by (a port known free).
+
 Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``,
 written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT``, seconds that replace the
 script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the script
@@ -34,11 +43,13 @@ import time
 
 OUT = os.path.abspath(os.environ.get("COURSE_RECORD_OUT") or ".")
 RANK = os.environ.get("RANK", "0")
+LAUNCH = os.environ.get("COURSE_RECORD_LAUNCH", "")
+STANDIN = os.environ.get("COURSE_RECORD_STANDIN", "0") not in ("", "0")
 TRAINING = os.environ.get("COURSE_RECORD_TRAINING", "0") not in ("", "0")
 PROTECT = os.environ.get("COURSE_RECORD_PROTECT", "0") not in ("", "0")
 PG_TIMEOUT = float(os.environ.get("COURSE_RECORD_PG_TIMEOUT") or 0)
 SINCE = float(os.environ.get("COURSE_RECORD_SINCE") or 0)  # when the job started: older files were there before
-SCRIPT = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ""
+SCRIPT = os.path.abspath(os.environ.get("COURSE_RECORD_SCRIPT") or (sys.argv[1] if len(sys.argv) > 1 else ""))
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the course helpers: not the script
 # Writes there are the libraries' own (devices, caches, compiled kernels, torchrun's logs), not the script's.
 IGNORED = tuple(os.path.realpath(p) + os.sep for p in {"/dev", "/proc", "/sys", os.path.expanduser("~/.cache"),
@@ -75,7 +86,7 @@ def _mine(path: str) -> bool:
     """Whether a write counts: inside OUT for the checker's scripts; anywhere but caches for the doctor's."""
     if TRAINING:
         return not (path.startswith(IGNORED) or path.startswith(OUT + os.sep) or any(p in path for p in IGNORED_PARTS))
-    return path.startswith(OUT + os.sep) and not os.path.basename(path).startswith(("record_rank", "stuck_rank"))
+    return path.startswith(OUT + os.sep) and not os.path.basename(path).startswith(("record_", "stuck_rank"))
 
 
 def _protect(path: str) -> None:
@@ -94,6 +105,8 @@ def _protect(path: str) -> None:
         return
     os.close(fd)
     shutil.copy2(path, saved + ".tmp")
+    with open(saved + ".path", "w") as f:
+        f.write(path)
     os.replace(saved + ".tmp", saved)
     record["protected"][path] = saved
 
@@ -118,13 +131,35 @@ def _written(path) -> None:
     record["writes"].append(path)
 
 
+def _removed(path, dir_fd) -> None:
+    """A file the script deletes (or renames away) that was there before the run: copied first, to be restored."""
+    if not PROTECT or not isinstance(path, (str, bytes, os.PathLike)):
+        return
+    path = os.fsdecode(path)
+    if dir_fd is not None:
+        try:
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        except OSError:
+            return
+    path = os.path.abspath(path)
+    try:
+        older = os.path.isfile(path) and os.stat(path).st_mtime < SINCE
+    except OSError:
+        return
+    if older and _mine(path) and path not in record["protected"]:
+        _protect(path)
+
+
 def _audit(event, args):
     if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
         mode, flags = args[1], args[2] or 0
         if (mode and any(c in mode for c in "wax+")) or (not mode and flags & (os.O_WRONLY | os.O_RDWR)):
             _written(args[0])
     elif event in ("os.rename", "os.replace") and len(args) >= 2:
+        _removed(args[0], args[2] if len(args) > 2 else None)
         _written(args[1])
+    elif event == "os.remove" and TRAINING and args:
+        _removed(args[0], args[1] if len(args) > 1 else None)
     elif event == "os.mkdir" and TRAINING and args and isinstance(args[0], (str, bytes, os.PathLike)):
         path = os.path.abspath(os.fsdecode(args[0]))
         if _mine(path) and not os.path.exists(path):
@@ -157,10 +192,28 @@ def _save(name: str, data: dict) -> None:
         pass
 
 
+def rank() -> str:
+    """This process's rank: its process group's, else its place among those the script started, else RANK."""
+    pg = record.get("pg") or {}
+    if "rank" in pg:
+        return str(pg["rank"])
+    return str(record["spawn_index"]) if CHILD and record.get("spawn_index") is not None else RANK
+
+
+def _name() -> str:
+    return "parent" if LAUNCH == "spawn" and not CHILD else f"rank{rank()}"
+
+
 def _save_record():
     record["fr"] = flight_recorder()
     record["seconds"] = now()
-    _save(f"record_rank{RANK}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
+    record["rank"] = int(rank())
+    pg = record.get("pg") or {}
+    if CHILD and "rank" in pg:  # a spawned process: one node, its environment as torchrun would have set it
+        record["env"] = {"RANK": str(pg["rank"]), "WORLD_SIZE": str(pg["world_size"]),
+                         "LOCAL_RANK": str(record.get("spawn_index", pg["rank"])),
+                         "LOCAL_WORLD_SIZE": str(pg["world_size"]), "GROUP_RANK": "0"}
+    _save(f"record_{_name()}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
 
 
 def _watch(main_ident: int):
@@ -173,7 +226,7 @@ def _watch(main_ident: int):
     while frame is not None:
         stack.append({"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name})
         frame = frame.f_back
-    _save(f"stuck_rank{RANK}.json", {"rank": int(RANK), "stack": stack[::-1], "current": record.get("current"),
+    _save(f"stuck_{_name()}.json", {"rank": int(rank()), "stack": stack[::-1], "current": record.get("current"),
                                      "fr": flight_recorder(50), "t": now()})
     for _ in range(3):  # the job is about to be stopped, before atexit could run: save what was recorded
         try:
@@ -189,7 +242,8 @@ def _instrument():
     from torch.utils.data import DistributedSampler
 
     recorder_collectives.install(record, now, where, PG_TIMEOUT,
-                                 depth=(lambda: training.state["depth"]) if TRAINING else None)
+                                 depth=(lambda: training.state["depth"]) if TRAINING else None,
+                                 port=int(os.environ.get("COURSE_RECORD_PORT") or 0), out=OUT)
 
     save = torch.save  # writes through C++ (no audit event for the file): record its path here
 
@@ -210,10 +264,12 @@ def _instrument():
             return backward(self, *args, **kwargs)
         except Exception as error:
             record["errors"].append({"in": "backward", "where": where(), "error": str(error)[:300]})
+            recorder_collectives.on_error(error, OUT)
             raise
         finally:
             record["backward"].append([start, now()])
 
+    timed_backward.__recorder__ = backward  # the stand-in's mode calls the original: recorded once
     torch.Tensor.backward = timed_backward
 
     def after_step(optimizer, args, kwargs):
@@ -232,6 +288,7 @@ def _instrument():
             return hook(*args, **kwargs)
         return register_hook(self, ready)
 
+    recorded_register.__recorder__ = register_hook
     torch.Tensor.register_post_accumulate_grad_hook = recorded_register
 
     sampler_iter = DistributedSampler.__iter__
@@ -245,37 +302,136 @@ def _instrument():
     DistributedSampler.__iter__ = recorded_iter
 
 
-def main():
-    script, *script_args = sys.argv[1:]
-    sys.argv = [script, *script_args]
-    global training, recorder_collectives
-    import recorder_collectives  # this file's folder is still sys.path[0] here: its siblings import by name
+def _start() -> None:
+    """Install everything in this process (once): the recorder's siblings, the watcher, the wrappers, the hook."""
+    global training, recorder_collectives, _STARTED
+    import recorder_collectives  # this file's folder is on sys.path here: its siblings import by name
 
+    if STANDIN:  # first: the others' wrappers wrap its own
+        import recorder_standin
+
+        gpus = int(os.environ.get("COURSE_RECORD_GPUS") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        recorder_standin.install(record, where, os.environ.get("COURSE_RECORD_PRETEND") == "1", gpus)
     if TRAINING:
         import recorder_training as training
 
         training.install(record, now)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
-    atexit.register(_save_record)
     threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
     _instrument()
     # After torch is imported: importing it under the hook (every module's file opened and compiled is an event,
     # each a Python call) cost each rank about 0.2 s of CPU; the script's own writes come later.
     sys.addaudithook(_audit)
+    _STARTED = True
+
+
+def _script_error(error: BaseException) -> None:
+    if not (isinstance(error, SystemExit) and error.code in (0, None)):
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == SCRIPT]
+        record["errors"].append({"in": "script", "t": now(), "error": f"{type(error).__name__}: {error}"[:300],
+                                 "where": f"{os.path.basename(SCRIPT)}:{frames[-1].lineno}" if frames else "",
+                                 "code": frames[-1].line if frames else ""})
+
+
+def main():
+    script, *script_args = sys.argv[1:]
+    flag = os.environ.get("COURSE_RECORD_LOCAL_RANK_ARG")
+    if flag:  # as torch.distributed.launch called the script
+        script_args.append(f"{flag}={os.environ.get('LOCAL_RANK', '0')}")
+    sys.argv = [script, *script_args]
+    os.environ["COURSE_RECORD_SCRIPT"] = SCRIPT  # for the processes the script starts
+    here = sys.path[0]
+    _start()
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
+    if LAUNCH == "spawn":
+        sys.path.append(here)  # a spawned process unpickles its target from ``recorder``
+        _record_started_processes()
+    atexit.register(_save_record)
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as error:
-        if not (isinstance(error, SystemExit) and error.code in (0, None)):
-            import traceback
-
-            frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == SCRIPT]
-            record["errors"].append({"in": "script", "t": now(), "error": f"{type(error).__name__}: {error}"[:300],
-                                     "where": f"{os.path.basename(SCRIPT)}:{frames[-1].lineno}" if frames else "",
-                                     "code": frames[-1].line if frames else ""})
+        _script_error(error)
         raise
 
 
+def _record_started_processes() -> None:
+    """Every process the script starts runs its target under ``child`` (torch's spawn starts its processes
+    through ``multiprocessing.Process`` too); a DataLoader's workers are left alone."""
+    import functools
+    import multiprocessing.process
+
+    init = multiprocessing.process.BaseProcess.__init__
+
+    def recorded(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
+        if target is not None and not getattr(target, "__module__", "").startswith("torch.utils.data"):
+            target = functools.partial(child, target)
+        init(self, group, target, name, args, kwargs or {}, daemon=daemon)
+
+    multiprocessing.process.BaseProcess.__init__ = recorded
+
+
+def child(target, *args, **kwargs):
+    """A process the script started: record it as a rank, from a fresh record (a forked copy of the parent's
+    is emptied), with the wrapped functions in place of those the script imported by name before."""
+    global CHILD
+    import functools
+
+    CHILD = True
+    if _STARTED:  # forked: the wrappers are there; the record is the parent's
+        for value in record.values():
+            if isinstance(value, (list, dict)):
+                value.clear()
+        record.update(pg=None, state_bytes=0, t0_ns=time.time_ns())
+        threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
+    else:
+        _start()
+    _rebind_main()
+    from torch.multiprocessing.spawn import _wrap
+
+    try:
+        if target is _wrap:  # torch's spawn: _wrap(fn, i, args, error_file) catches fn's error itself
+            fn, index, *rest = args
+            record["spawn_index"] = index
+            return target(functools.partial(_as_rank, fn), index, *rest, **kwargs)
+        return _as_rank(target, *args, **kwargs)
+    finally:
+        _save_record()
+
+
+def _as_rank(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as error:
+        _script_error(error)
+        raise
+
+
+def _rebind_main() -> None:
+    """The script's module was imported again in this process before the wrappers were installed: names it
+    took with ``from torch.distributed import init_process_group`` get the wrappers."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    outer = {}
+    for owner in (dist, torch.cuda, torch):
+        for value in list(vars(owner).values()):
+            inner = getattr(value, "__wrapped__", None) if isinstance(value, types.FunctionType) else None
+            while inner is not None:
+                outer[id(inner)] = value
+                inner = getattr(inner, "__wrapped__", None)
+    for module in {id(m): m for m in (sys.modules.get("__mp_main__"), sys.modules.get("__main__")) if m}.values():
+        for name, value in list(vars(module).items()):
+            if id(value) in outer:
+                setattr(module, name, outer[id(value)])
+
+
 training = recorder_collectives = None
+CHILD = _STARTED = False
 
 if __name__ == "__main__":
-    main()
+    import recorder  # this file under its own name: a spawned process finds ``recorder.child`` by it
+
+    recorder.main()

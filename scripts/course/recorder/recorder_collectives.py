@@ -6,11 +6,15 @@ whether it ran inside a forward pass, its error if it raised, and for an asynchr
 first waited on (``wait()`` or ``get_future()``) and whether the script wrote into the collective's tensors
 before that (``touched``: their version counters moved, e.g. a division before ``wait()``, a race).
 ``init_process_group``: where it was called, the rank and world size given by hand, what it ended with; with
-a timeout set, the script's own timeout is replaced by it (a hang then ends in seconds).
+a timeout set, the script's own timeout is replaced by it (a hang then ends in seconds); with a port set, the
+script's own rendezvous port (``MASTER_PORT``, ``tcp://host:port``) is replaced by it (one known free). A busy
+port ends in one line that says so. A collective that times out asks every rank where it is (``dump-now``), so
+that a rank stuck outside any collective is named as soon as the hang is seen.
 """
 
 import inspect
 import os
+import re
 import sys
 
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -57,7 +61,16 @@ class Handle:
         return getattr(self._work, name)
 
 
-def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None) -> None:
+def on_error(error: BaseException, out: str) -> None:
+    """A wait that timed out (a hang): every rank writes where it is (recorder.py's watcher)."""
+    if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
+        try:
+            open(os.path.join(out, "dump-now"), "a").close()
+        except OSError:
+            pass
+
+
+def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port: int = 0, out: str = "") -> None:
     """Wrap torch.distributed's collectives and init_process_group; ``depth()``: how deep in forward calls."""
     import torch
     import torch.distributed as dist
@@ -88,6 +101,8 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None) -> No
                 work = fn(*args, **kwargs)
             except Exception as error:
                 entry["error"] = str(error)[:300]
+                if out:
+                    on_error(error, out)
                 raise
             record["current"] = None
             if not asynchronous or work is None or internal:  # torch's own callers hand the handle to C++
@@ -101,6 +116,7 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None) -> No
             setattr(dist, name, counted(name, getattr(dist, name)))
 
     init = dist.init_process_group
+    init_params = inspect.signature(init)
 
     def recorded_init(*args, **kwargs):
         asked = dict(kwargs)
@@ -108,8 +124,23 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None) -> No
             from datetime import timedelta
 
             kwargs["timeout"] = timedelta(seconds=pg_timeout)
+        given = init_params.bind_partial(*args, **kwargs).arguments
+        method = given.get("init_method")
+        if port:
+            if os.environ.get("MASTER_PORT"):
+                os.environ["MASTER_PORT"] = str(port)
+            if isinstance(method, str) and method.startswith("tcp://"):
+                given["init_method"] = method = re.sub(r":\d+(?=$|[/?])", f":{port}", method, count=1)
         record["pg"] = {"where": where(), "rank_arg": asked.get("rank"), "world_size_arg": asked.get("world_size")}
-        result = init(*args, **kwargs)
+        try:
+            result = init(**given)
+        except Exception as error:
+            if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+                shown = method if isinstance(method, str) and method.startswith("tcp://") else \
+                    f"MASTER_PORT={os.environ.get('MASTER_PORT')}"
+                raise RuntimeError(f"the rendezvous port is busy ({shown}): another program, or another run of "
+                                   "this script, uses it; stop it or choose another port") from None
+            raise
         record["pg"].update(backend=str(dist.get_backend()), rank=dist.get_rank(), world_size=dist.get_world_size())
         return result
 
