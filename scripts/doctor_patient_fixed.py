@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from course.data import build_datasets
 from course.hardware import backend_for, pick_device
@@ -40,7 +40,7 @@ def main():
     train_set, val_set, classes = build_datasets("mnist")
     sampler = DistributedSampler(train_set, seed=0)
     train_loader = DataLoader(train_set, args.batch_size, sampler=sampler)
-    val_loader = DataLoader(val_set, 500, sampler=DistributedSampler(val_set, shuffle=False))
+    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), dist.get_world_size())), 500)  # fix 2
     torch.manual_seed(0)
     model = DDP(build_model("mlp", classes).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
