@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
     from course.doctor import check
+    from course.rundir import RunDirBusy
     from course.train_utils import CourseError
 
     try:
@@ -38,7 +39,10 @@ def main(argv=None) -> int:
                        hang_after=options.hang_after, steps=options.steps,
                        compare_batch_arg=options.compare_batch_arg,
                        on_line=(lambda line: print(line, end="", flush=True)) if options.show_output else None)
-    except (ValueError, CourseError) as error:  # a bad argument; another doctor checking the same script
+    except RunDirBusy:
+        print(f"error: another doctor is checking {options.script} now: wait for it to end", file=sys.stderr)
+        return 2
+    except (ValueError, CourseError) as error:  # a bad argument, an unwritable folder
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

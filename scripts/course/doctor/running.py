@@ -124,15 +124,16 @@ def _commands(job: Job, log_dir: str, plain: bool = False) -> list:
         extra = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "COURSE_RECORD_PORT": str(port),
                  "COURSE_RECORD_GPUS": str(job.nproc)}
         return [("", [sys.executable, str(script), *args], {**chosen.env(), **extra})]
+    env = {**chosen.env(), "COURSE_RECORD_PORT": str(_port())}  # for a tcp:// address the script writes itself
     if job.nodes == 1:
-        return [("", torchrun_command(script, job.nproc, args, ["--log-dir", log_dir]), chosen.env())]
+        return [("", torchrun_command(script, job.nproc, args, ["--log-dir", log_dir]), env)]
     port = _port()
     per_node = job.nproc // job.nodes
     return [(f"node{n}", torchrun_command(
         script, per_node, args, [f"--nnodes={job.nodes}", f"--node-rank={n}", "--rdzv-backend=c10d",
                                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=doctor-{port}",
                                    "--log-dir", os.path.join(log_dir, f"node{n}")],
-        standalone=False), chosen.env()) for n in range(job.nodes)]
+        standalone=False), env) for n in range(job.nodes)]
 
 
 def _read(folder: Path, prefix: str) -> dict:
@@ -172,6 +173,8 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
             break
     else:
         return
+    if not (out / "dump-now").exists():  # else a rank whose wait timed out wrote it: a hang, said below
+        why.append("runner")
     (out / "dump-now").touch()
     until = time.monotonic() + 10
     while time.monotonic() < until and not done.is_set():
@@ -211,7 +214,7 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
         code, output, failure = result.returncode, result.output, result.failure or ""
     except LaunchError as error:  # stopped: a hang, or a rank failed and the others were ended
         output = error.output or "".join(lines)
-        code, failure = (1, "") if why == ["failed"] else (None, "")
+        code, failure = (1, "") if why[:1] == ["failed"] else (None, "")
         if code:
             from course.launcher import describe_failure
 
@@ -226,9 +229,11 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
         shutil.rmtree(log_dir, ignore_errors=True)
     (out / "output.txt").write_text(output)
     records = _read(out, "record_rank")
-    run = Run(job, code, output, records, _read(out, "stuck_rank"), time.monotonic() - start, failure,
+    # where the ranks were: at the timeout, or when a rank's wait timed out (a hang); not after a rank's own error
+    stuck = _read(out, "stuck_rank") if why != ["failed", "runner"] else {}
+    run = Run(job, code, output, records, stuck, time.monotonic() - start, failure,
               parent=_parent(out), ended_early="a rank failed: the others were ended, as torchrun ends them"
-              if why == ["failed"] and code else "")
+              if why[:1] == ["failed"] and code else "")
     _put_back(run, out, files or out / "files")
     return run
 

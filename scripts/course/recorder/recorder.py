@@ -136,7 +136,7 @@ def _removed(path, dir_fd) -> None:
     if not PROTECT or not isinstance(path, (str, bytes, os.PathLike)):
         return
     path = os.fsdecode(path)
-    if dir_fd is not None:
+    if dir_fd not in (None, -1):  # relative to an open folder (shutil.rmtree)
         try:
             path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
         except OSError:

@@ -6,8 +6,9 @@ whether it ran inside a forward pass, its error if it raised, and for an asynchr
 first waited on (``wait()`` or ``get_future()``) and whether the script wrote into the collective's tensors
 before that (``touched``: their version counters moved, e.g. a division before ``wait()``, a race).
 ``init_process_group``: where it was called, the rank and world size given by hand, what it ended with; with
-a timeout set, the script's own timeout is replaced by it (a hang then ends in seconds); with a port set, the
-script's own rendezvous port (``MASTER_PORT``, ``tcp://host:port``) is replaced by it (one known free). A busy
+a timeout set, the script's own timeout is replaced by it (a hang then ends in seconds). A rendezvous port the
+script sets itself is replaced: under torchrun a ``MASTER_PORT`` by torchrun's own (its store listens there), a
+``tcp://host:port`` by the port given (one known free), as is ``MASTER_PORT`` without torchrun. A busy
 port ends in one line that says so. A collective that times out asks every rank where it is (``dump-now``), so
 that a rank stuck outside any collective is named as soon as the hang is seen.
 """
@@ -117,6 +118,7 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port:
 
     init = dist.init_process_group
     init_params = inspect.signature(init)
+    launched = os.environ.get("MASTER_PORT") if os.environ.get("TORCHELASTIC_RUN_ID") else None
 
     def recorded_init(*args, **kwargs):
         asked = dict(kwargs)
@@ -126,8 +128,10 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port:
             kwargs["timeout"] = timedelta(seconds=pg_timeout)
         given = init_params.bind_partial(*args, **kwargs).arguments
         method = given.get("init_method")
+        if launched and os.environ.get("MASTER_PORT") != launched:  # torchrun's store listens there, not elsewhere
+            os.environ["MASTER_PORT"] = launched
         if port:
-            if os.environ.get("MASTER_PORT"):
+            if os.environ.get("MASTER_PORT") and not launched:
                 os.environ["MASTER_PORT"] = str(port)
             if isinstance(method, str) and method.startswith("tcp://"):
                 given["init_method"] = method = re.sub(r":\d+(?=$|[/?])", f":{port}", method, count=1)

@@ -1,0 +1,229 @@
+"""The doctor's runner (issue 41 items 1, 2, 4; issue 42 items 2, 6): scripts as people write them run on a CPU
+machine (written for CUDA and NCCL: the CPU stand-in; starting their own processes: run once as ``python
+script.py``; ``--local_rank``; ``tcp://`` and hard-coded ports), and every run is bounded and clean (a second
+doctor, Ctrl+C, deleted files, a rank stuck outside any collective, a rank that fails, torchrun's log folders).
+In-process checks first; the few launched ones use the scripts of tests/fixtures/doctor_runner."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from course import ROOT
+from course.doctor import check, doctor_folder
+from course.doctor.__main__ import main
+from course.doctor.running import Job, Run, _put_back, style
+from course.recorder import ENTRY
+from course.rundir import claim_run_dir
+
+FIXTURES = ROOT / "tests" / "fixtures" / "doctor_runner"
+
+PROBE = '''
+import json, sys, warnings
+sys.path.insert(0, {folder!r})
+import torch
+import recorder_standin
+
+record = {{}}
+
+def where():
+    frame = sys._getframe(1)
+    while frame and frame.f_code.co_filename != __file__:
+        frame = frame.f_back
+    return f"probe:{{frame.f_lineno}}" if frame else ""
+
+recorder_standin.install(record, where, pretend={pretend}, gpus=2)
+seen = {{}}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    seen["factory"] = torch.zeros(2, device="cuda").device.type
+    x = torch.ones(2)
+    seen["to_int"] = x.to(0).device.type
+    seen["to_str"] = x.to("cuda:1", non_blocking=True).device.type
+    seen["to_device"] = x.to(torch.device("cuda", 0)).device.type
+    seen["to_kwarg"] = x.to(device="cuda").device.type
+    seen["cuda"] = x.cuda().device.type
+    seen["pinned"] = x.pin_memory().device.type
+    seen["module"] = next(torch.nn.Linear(2, 2).to(1).parameters()).device.type
+    seen["module_cuda"] = next(torch.nn.Linear(2, 2).cuda().parameters()).device.type
+    seen["available"] = torch.cuda.is_available()
+    seen["count"] = torch.cuda.device_count()
+    seen["torch_sees"] = not torch.cuda.amp.common.amp_definitely_not_available()
+    torch.cuda.set_device(1)
+    torch.cuda.synchronize()
+    seen["memory"] = torch.cuda.max_memory_allocated()
+    with torch.autocast("cuda", dtype=torch.float16):
+        seen["autocast"] = torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    seen["scaler"] = torch.amp.GradScaler("cuda").is_enabled() or torch.cuda.amp.GradScaler().is_enabled()
+    torch.save({{"w": torch.ones(1)}}, sys.argv[1])
+    seen["load"] = torch.load(sys.argv[1], map_location="cuda:0")["w"].device.type
+seen["warnings"] = [str(w.message) for w in caught if "cuda" in str(w.message).lower()]
+seen["sites"] = record.get("standin", [])
+print(json.dumps(seen))
+'''
+
+
+def _probe(tmp_path, pretend: bool) -> dict:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE.format(folder=str(ENTRY.parent), pretend=pretend))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "w.pt")], check=False, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_the_cpu_standin_turns_every_cuda_call_into_the_cpu(tmp_path):
+    seen = _probe(tmp_path, pretend=True)
+    for key in ("factory", "to_int", "to_str", "to_device", "to_kwarg", "cuda", "pinned", "module", "module_cuda",
+                "load"):
+        assert seen[key] == "cpu", (key, seen)
+    assert seen["available"] is True and seen["count"] == 2, seen  # the script's own questions: a GPU machine
+    assert seen["torch_sees"] is False, seen  # torch's internals still see the CPU
+    assert seen["memory"] == 0 and seen["autocast"] is False and seen["scaler"] is False, seen
+    assert seen["warnings"] == [], seen  # disabled as on a CPU, without a warning per call
+    # one site per line of the probe that was redirected, each once
+    assert len(seen["sites"]) == len(set(seen["sites"])) >= 15, seen["sites"]
+
+
+def test_without_pretending_the_script_is_told_the_truth(tmp_path):
+    seen = _probe(tmp_path, pretend=False)
+    assert seen["available"] is False and seen["count"] == 0, seen
+    assert seen["to_int"] == "cpu", seen
+
+
+def test_the_launch_style_and_the_standin_are_read_from_the_code(tmp_path):
+    spawn = style(FIXTURES / "tutorial_spawn.py", gpus=0, nproc=2)
+    assert spawn == {"launch": "spawn", "standin": True, "pretend": True, "local_rank_arg": ""}
+    torchrun = style(FIXTURES / "tutorial_torchrun.py", gpus=0, nproc=2)
+    assert torchrun["launch"] == "torchrun" and torchrun["standin"] and torchrun["pretend"]
+    assert style(FIXTURES / "launch_style.py", gpus=0, nproc=2)["local_rank_arg"] == "--local_rank"
+    assert style(FIXTURES / "tutorial_torchrun.py", gpus=2, nproc=2)["standin"] is False  # enough GPUs
+    # a CPU script, and a portable one (it asks is_available(): it keeps its CPU path)
+    assert style(FIXTURES / "stuck_rank.py", gpus=0, nproc=2)["standin"] is False
+    portable = style(ROOT / "tests" / "fixtures" / "doctor" / "nanogpt_loop.py", gpus=0, nproc=2)
+    assert portable["standin"] and not portable["pretend"]
+    words = tmp_path / "words.py"  # only its docstring and comments mention spawn and cuda
+    words.write_text('"""Unlike mp.spawn(run, nprocs=2) scripts, this one uses torchrun; no cuda."""\n'
+                     "import torch  # not nccl\nprint(torch.ones(1))\n")
+    assert style(words, gpus=0, nproc=2) == {"launch": "torchrun", "standin": False, "pretend": False,
+                                             "local_rank_arg": ""}
+
+
+def test_two_projects_scripts_of_one_name_get_two_folders(tmp_path):
+    a, b = tmp_path / "a" / "train.py", tmp_path / "b" / "train.py"
+    assert doctor_folder(a) != doctor_folder(b)
+    assert doctor_folder(a).name.startswith("train-") and doctor_folder(a) == doctor_folder(a)
+
+
+def test_a_second_doctor_on_the_same_script_gets_one_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    folder = doctor_folder(script)
+    try:
+        with claim_run_dir(folder):
+            assert main([str(script)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: another doctor is checking"), err
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_ctrl_c_gets_one_line(tmp_path, capsys, monkeypatch):
+    import course.doctor
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(course.doctor, "check", interrupted)
+    assert main([str(tmp_path / "train.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: interrupted"), err
+
+
+def test_files_are_put_back_from_the_copies_alone(tmp_path):
+    """An interrupted job leaves no record: the copies' own notes say where each file goes back."""
+    out, learner = tmp_path / "out", tmp_path / "learner"
+    (out / "protected").mkdir(parents=True)
+    learner.mkdir()
+    (out / "protected" / "k1").write_text("original")
+    (out / "protected" / "k1.path").write_text(str(learner / "sub" / "data.txt"))  # deleted with its folder
+    (out / "protected" / "k2.path").write_text(str(learner / "gone.txt"))  # its copy never completed
+    run = Run(Job(learner / "s.py", [], cwd=learner), None, "", {}, {}, 0.0)
+    _put_back(run, out, out / "files")
+    assert (learner / "sub" / "data.txt").read_text() == "original"
+    assert run.restored == [str(learner / "sub" / "data.txt")] and run.lost == [str(learner / "gone.txt")]
+
+
+# launched: each needs processes (about 20-60 s each on 2 busy cores)
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    target = tmp_path / name
+    shutil.copy(FIXTURES / name, target)
+    return target
+
+
+def test_a_cuda_nccl_script_is_checked_on_the_cpu(tmp_path):
+    """The tutorial series' torchrun script as published: nccl, .to(local_rank), device_ids. Exit 1 with its
+    real mistake; the first line names the stand-in; torchrun leaves no log folder in the temporary folder."""
+    script = _copy("tutorial_torchrun.py", tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "course.doctor", str(script), "2", "1"], check=False,
+                         capture_output=True, text=True, cwd=tmp_path, timeout=240,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    first = out.stdout.splitlines()[0]
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "CUDA/NCCL on a CPU stand-in at " in first and "[set-epoch]" in out.stdout, out.stdout
+    assert "what needs a GPU" in out.stdout and "NCCL-only behaviour" in out.stdout
+    assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("course-torchrun-*")), list(tmp.iterdir())
+    assert time.monotonic() - start < 120
+    shutil.rmtree(doctor_folder(script), ignore_errors=True)
+
+
+def test_a_script_that_spawns_its_own_processes_runs_once(tmp_path):
+    """The pytorch.org DDP tutorial's shape: mp.spawn, a hard-coded MASTER_PORT, nccl, device_count(). Run once
+    as `python script.py` with the recorder in both processes it starts: its real mistake, no false one."""
+    script = _copy("tutorial_spawn.py", tmp_path)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=150)
+    assert report.status == 1 and [f.code for f in report.mistakes] == ["rank-writes"], report.text()
+    assert "model.checkpoint" in report.mistakes[0].evidence and "/tmp\n" not in report.text()
+    assert "started once" in report.command and "CPU stand-in" in report.command, report.command
+    records = sorted((tmp_path / "doctor" / "job").glob("record_rank*.json"))
+    assert [r.name for r in records] == ["record_rank0.json", "record_rank1.json"]  # 2 ranks, not 2 x 2
+    assert report.seconds < 120
+
+
+def test_a_launch_style_script_with_tcp_init_is_clean(tmp_path):
+    """--local_rank given as torch.distributed.launch gave it; init_method="tcp://..." with its own port;
+    autocast("cuda") and GradScaler("cuda"); a correct script: no finding."""
+    script = _copy("launch_style.py", tmp_path)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=150)
+    assert report.status == 0 and not report.findings, report.text()
+    assert "given --local_rank" in report.command and "CPU stand-in" in report.command, report.command
+
+
+def test_a_rank_stuck_outside_any_collective_is_named_at_hang_after(tmp_path):
+    script = _copy("stuck_rank.py", tmp_path)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=170, hang_after=5)
+    hang = [f for f in report.findings if f.code == "hang"]
+    assert hang and "rank 1 at stuck_rank.py:13, in no collective" in hang[0].evidence, report.text()
+    assert "rank 0 in broadcast at stuck_rank.py:14" in hang[0].evidence, report.text()
+    assert report.seconds < 110  # not the 170 s job limit
+
+
+def test_a_failed_rank_ends_the_job_and_deleted_files_come_back(tmp_path):
+    """As under torchrun: one rank's own error ends the job (the other would sleep 120 s); the file it deleted
+    is restored."""
+    script = _copy("rank_dies.py", tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("keep")
+    os.utime(data, (time.time() - 3600,) * 2)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=170)
+    assert report.status == 2 and "rank 0 fails on its own" in report.error, report.text()
+    assert not any(f.code == "hang" for f in report.findings), report.text()
+    assert data.read_text() == "keep"
+    assert report.seconds < 110, report.text()
