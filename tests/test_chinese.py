@@ -132,3 +132,38 @@ def test_a_rerun_of_course_times_rewrites_the_chinese_time_line(tmp_path, monkey
     header = nbformat.read(tmp_path / NOTEBOOKS[0].name, as_version=4).cells[1].source
     assert times.header_line_zh(data["notebooks"][stem]) in header
     assert "快速模式（`COURSE_QUICK=1`）999 秒（实测），完整模式 7.5 分钟（实测，某次）。" in header
+
+
+DATA_PARALLEL = re.compile(r"(?<!distributed )(?<!sharded )\bdata[- ]parallel", re.IGNORECASE)
+SHU_JU = re.compile(r"(?<!分布式)(?<!分片)数据并行")  # 数据并行 itself, not inside 分布式/完全分片/混合分片数据并行
+DDP_EN = re.compile(r"DDP|DistributedDataParallel|distributed data parallel", re.IGNORECASE)
+
+
+def term_problems(english: str, chinese: str) -> list[str]:
+    """Audit Z-1: the glossary keeps data parallelism (数据并行) and DDP (分布式数据并行) apart; a Chinese cell
+    says 数据并行 where its English cell says data-parallel, and 分布式数据并行 only where it says DDP."""
+    problems = []
+    if DATA_PARALLEL.search(english) and not SHU_JU.search(chinese):
+        problems.append("the English says data-parallel; the Chinese has no 数据并行 of its own")
+    if "分布式数据并行" in chinese and not DDP_EN.search(english):
+        problems.append("the Chinese says 分布式数据并行 (DDP); the English names no DDP")
+    return problems
+
+
+def pairs(path) -> dict[str, tuple[str, str]]:
+    """{'header' / 'summary': (English cell, its Chinese cell)} of one notebook."""
+    cells = nbformat.read(path, as_version=4).cells
+    summary = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and not is_chinese(c)
+                   and SUMMARY.search(c.source))
+    return {"header": (cells[0].source, cells[1].source), "summary": (cells[summary].source, cells[summary + 1].source)}
+
+
+def test_data_parallel_and_ddp_keep_their_glossary_terms():
+    wrong = {f"{p.stem} {where}": problems for p in NOTEBOOKS for where, (en, zh) in pairs(p).items()
+             if (problems := term_problems(en, zh))}
+    assert not wrong, wrong
+    assert term_problems("names each data-parallel mistake", "对每个[分布式数据并行](glossary.md#ddp)错误") == [
+        "the English says data-parallel; the Chinese has no 数据并行 of its own",
+        "the Chinese says 分布式数据并行 (DDP); the English names no DDP"]
+    assert term_problems("FSDP (fully sharded data parallel)", "完全分片数据并行") == []
+    assert term_problems("DDP", "分布式数据并行") == [] and term_problems("x", "分布式数据并行") != []
