@@ -11,7 +11,8 @@ How a check works: the script is read first (a syntax error or a gap still marke
 reported without running anything: ``running.static_check``); then the exercise's own ``check`` launches
 it under the recorder (``running.launch``, ``course/recorder/recorder.py``) with a wall-clock limit and a short process-group
 timeout, rebuilds the same training in this process (``reference.simulate``) and compares; the first
-difference becomes a diagnosis, and each diagnosis a rung of the hint ladder (``hints``).
+difference becomes a diagnosis, and each diagnosis a rung of the hint ladder (``hints``); a crash is named by
+its kind from the crashing rank's error (``crashes``).
 ``COURSE_EXERCISE_SOLUTIONS=1``: every check runs the reference solution instead (the tests run the
 notebook so); results then go to ``runs/<notebook>/with_solutions/`` and anything but a pass raises.
 
@@ -40,7 +41,7 @@ from datetime import datetime
 from pathlib import Path
 
 from course import SCRIPTS
-from course.exercises import table
+from course.exercises import crashes, table
 from course.exercises.hints import filled, level
 from course.exercises.reference import NPROC
 from course.exercises.results import (
@@ -101,6 +102,7 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
             verdict = ex.check(path, work, backend=backend, timeout=timeout)
         except Stop as stop:
             verdict = stop.verdict
+        verdict = crashes.named(verdict)  # a crash of a known kind (after the exercise's own reading of it)
     seconds = time.monotonic() - start
     if verdict.facts.get("launched") and (work / "output.txt").exists():
         verdict.facts["output"] = rel(work / "output.txt")

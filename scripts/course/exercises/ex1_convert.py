@@ -70,7 +70,32 @@ def _check_losses(run, losses: list, ref: Trajectory) -> None:
     if close(losses, [r[0] for r in alone.rank_losses]) or close(losses, alone.losses):
         fail("not-averaged", symptom + "; your numbers are those of ranks that each train alone on their "
              "own half, never sharing gradients.", launched=True)
+    _check_data(run, symptom, first)
     fail("loss-differs", symptom + ".", launched=True)
+
+
+def _check_data(run, symptom: str, first: int) -> None:
+    """What each rank's DistributedSampler yielded (the recorder saw it) against what the check's seed gives:
+    none read the training set (a split by hand), an order not shuffled, or the right samples with a first loss
+    that still differs (the loss itself is computed differently)."""
+    from torch.utils.data import DistributedSampler
+
+    train = wave_datasets()[0]
+    share = math.ceil(len(train) / NPROC)
+    seen = {r: [s["indices"] for s in rec["samplers"] if len(s["indices"]) == share]
+            for r, rec in sorted(run.records.items())}
+    if not any(seen.values()):
+        fail("hand-split", symptom + ": no DistributedSampler read the training set (the recorder saw none), so the "
+             "ranks' batches are not the single-device run's batches split between them.", launched=True)
+    ordered = {r: list(range(len(train)))[r::NPROC] for r in seen}
+    if any(lists and lists[0] == ordered[r] for r, lists in seen.items()):
+        rank = next(r for r, lists in seen.items() if lists and lists[0] == ordered[r])
+        fail("no-shuffle", symptom + f": rank {rank}'s sampler yielded its share in the data set's own order "
+             f"({ordered[rank][:4]}...), not shuffled.", launched=True)
+    want = {r: list(DistributedSampler(train, num_replicas=NPROC, rank=r, seed=CONFIG["seed"])) for r in seen}
+    if first == 0 and all(lists and lists[0] == want[r] for r, lists in seen.items()):
+        fail("first-loss", symptom + ": already the first loss, though every rank's sampler yielded the samples "
+             "the single-device run's first epoch splits between them.", launched=True)
 
 
 def _check_validation(vals: list, ref: Trajectory) -> tuple[int, int]:
@@ -193,6 +218,23 @@ HINTS = {
     "not-averaged": ["Each rank trained on its own: the gradients were never averaged between the ranks.",
                      "What makes the ranks average their gradients in backward()? (Notebook 03, step 3.)",
                      "Wrap the model in DistributedDataParallel after moving it to the device."],
+    "hand-split": [("No DistributedSampler split the training set (the recorder saw none): a split made by hand "
+                    "does not give the single-device run's batches, a seeded permutation dealt out to the ranks."),
+                   ("The single-device script shuffles with seed + epoch; DistributedSampler(train_set, seed=args.seed) "
+                    "shuffles the same way and gives rank r every world_size-th index, so that a step's batches "
+                    "together are the single-device batch."),
+                   ("sampler = DistributedSampler(train_set, seed=args.seed); DataLoader(train_set, args.batch_size, "
+                    "sampler=sampler); sampler.set_epoch(epoch) at the start of each epoch.")],
+    "no-shuffle": [("Each rank read its share in the data set's own order: the sampler does not shuffle, while the "
+                    "single-device run draws a seeded random order each epoch."),
+                   "DistributedSampler shuffles unless told not to: which shuffle= does yours get?",
+                   "DistributedSampler(train_set, seed=args.seed) (shuffle=True, its default)."],
+    "first-loss": [("Already the first logged loss differs, though every rank read the right samples (the recorder "
+                    "saw them): the same weights on the same batch give another loss, so the loss is computed "
+                    "differently."),
+                   ("Compare the loss with the single-device script's: the criterion and its arguments (reduction, "
+                    "label_smoothing, weights), and what you log."),
+                   "Keep criterion = nn.CrossEntropyLoss() (the mean over the batch) and log its mean over the ranks."],
     "loss-differs": ["Compare your step loop with the single-device one, line by line: what else changed?",
                      "Run both scripts and print the first 3 losses of each.",
                      ("The global batch of step k must be the single-device batch of step k: same sampler seed, "

@@ -38,6 +38,18 @@ def _watching_rngs(path: Path, sampler, epoch: int) -> tuple[list, list[str]]:
     return got, changed
 
 
+def _contiguous(got: list[list], theirs: list, epoch: int) -> bool:
+    """Whether every rank holds a contiguous block of DistributedSampler's padded list (the shape of the shards,
+    not their order within it): rank r positions r*len to (r+1)*len instead of every num_replicas-th."""
+    for t in theirs:
+        t.set_epoch(epoch)
+    want = [list(t) for t in theirs]
+    padded = [w[i] for i in range(len(want[0])) for w in want]  # DistributedSampler's list, rank r at i*world + r
+    size = len(want[0])
+    blocks = [padded[r * size:(r + 1) * size] for r in range(len(want))]
+    return len(want) > 1 and size > 1 and blocks != want and all(sorted(g) == sorted(b) for g, b in zip(got, blocks))
+
+
 @seeded  # it seeds torch's global generator to see whether the sampler changes it
 def check(path: Path, work: Path, *, backend: str = "gloo", timeout: float = 0) -> Verdict:
     text = path.read_text()
@@ -107,6 +119,12 @@ def check(path: Path, work: Path, *, backend: str = "gloo", timeout: float = 0) 
                     t.set_epoch(epoch)
                     want = list(t)
                     if got[r] != want:
+                        if _contiguous(got, theirs, epoch):
+                            length = len(want)
+                            fail("contiguous", f"{where}, epoch {epoch}: rank {r} yields {got[r][:8]}"
+                                 f"{'...' if length > 8 else ''}: each rank holds one contiguous block of "
+                                 f"{length} of the padded list (rank r: positions r*{length} to (r+1)*{length}), "
+                                 "DistributedSampler gives rank r every num_replicas-th position, starting at r.")
                         same_set = sorted(got[r]) == sorted(want)
                         fail("order" if same_set else "indices",
                               f"{where}, epoch {epoch}: rank {r} yields {got[r][:8]}{'...' if len(got[r]) > 8 else ''},"
@@ -153,6 +171,11 @@ HINTS = {
                "then it takes every num_replicas-th index."),
               ("Use exactly: g = torch.Generator(); g.manual_seed(self.seed + self.epoch); "
                "torch.randperm(self.n, generator=g).tolist(); then indices[self.rank::self.num_replicas].")],
+    "contiguous": [("Each rank holds one contiguous block of the list: DistributedSampler interleaves the shards "
+                    "instead (rank r takes positions r, r + num_replicas, r + 2 num_replicas, ...)."),
+                   ("Print both for n=8 and 2 ranks: a block gives rank 0 positions 0-3, DistributedSampler "
+                    "positions 0, 2, 4, 6. Interleaving keeps each rank's share spread over the whole shuffled list."),
+                   "Take this rank's share with a stride: indices[self.rank::self.num_replicas]."],
     "indices": ["Your shard holds other indices than DistributedSampler's.",
                 ("Which positions of the padded list does rank r take? DistributedSampler takes every "
                  "num_replicas-th, starting at r (not a contiguous block); padding repeats the list from its start."),

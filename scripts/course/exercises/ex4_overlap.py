@@ -45,7 +45,9 @@ def bucket_count(cap: int) -> int:
     return count + (size > 0)
 
 
-def _check_waits(records: dict) -> None:
+def check_waits(records: dict) -> None:
+    """Every asynchronous all_reduce waited on before the next step, its tensor untouched until then (the
+    recorder follows each handle): else ``not-waited`` or ``race``. Exercise 2's check uses it too."""
     for rank, rec in sorted(records.items()):
         for k, calls in enumerate(per_step(rec)):
             started = [c for c in calls if c["async"]]
@@ -111,7 +113,7 @@ def check(path: Path, work: Path, *, backend: str, timeout: float) -> Verdict:
     failure(run, path, timeout)
     traces = load_traces(run)
     buckets = bucket_count(CONFIG["cap"])
-    _check_waits(run.records)
+    check_waits(run.records)
     _check_counts(run.records, buckets, len(traces[0]["names"]))
     verdict = compare_traces(traces, reference(), "every step", loss_ref=reference(NPROC), seconds=run.seconds)
     started, during, asynchronous, pending, when = _overlap(run.records)

@@ -44,13 +44,12 @@ def adam_state_bytes() -> int:
 
 
 def _averaged_after_step(records: dict) -> bool:
-    """Whether every all_reduce of a rank ran after its optimizer steps began and none before the first:
-    the parameters were averaged, not the gradients (the recorder's timeline)."""
-    for rec in records.values():
-        reduces = [c["t"] for c in rec["collectives"] if c["op"] == "all_reduce"]
-        if not reduces or not rec["steps"] or min(reduces) < rec["steps"][0]:
-            return False
-    return True
+    """Whether every rank called all_reduce after its last optimizer step: the parameters were averaged after the
+    step (a gradient is averaged before it; the owner's value is sent by broadcast), whether or not the gradients
+    were averaged too (the recorder's timeline)."""
+    return bool(records) and all(
+        rec["steps"] and any(c["op"] == "all_reduce" and c["t"] > rec["steps"][-1] for c in rec["collectives"])
+        for rec in records.values())
 
 
 def _rediagnose(v: Verdict, run, ref: Trajectory) -> None:
@@ -67,8 +66,9 @@ def _rediagnose(v: Verdict, run, ref: Trajectory) -> None:
         return
     if _averaged_after_step(run.records):
         v.diagnosis = "params-averaged"
-        v.symptom = (f"after step {k} both ranks agree but differ from one process's Adam, and every all_reduce ran "
-                     "after optimizer.step(), none between backward() and the step (the recorder's timeline).")
+        v.symptom = (f"after step {k} both ranks agree but differ from one process's Adam (the step is {v.facts['ratio']:.2f}× "
+                     "its), and the ranks all-reduced after their last optimizer.step(): the parameters were averaged "
+                     "after the step (the recorder's timeline).")
         return
     ratio = v.facts["ratio"]
     if k == 1 and all(close(b - a, ratio * (r - a)) for a, b, r in zip(before, after, ref.params[1])):
@@ -124,8 +124,8 @@ HINTS = {
             "learning rate times the sign of the gradient, so the learning rate differs."),
            "Which learning rate does your Adam use? What is Adam's default, and what does the check pass in --lr?",
            "torch.optim.Adam(mine, lr=args.lr)"],
-    "params-averaged": [("The parameters were averaged after the step, and the gradients never were: each owner's "
-                         "Adam stepped with its own half-batch gradient, and the average mixed new values with old."),
+    "params-averaged": [("The parameters were averaged after the step: only a parameter's owner has its new value, so "
+                         "the average mixed the owner's new value with the others' old copies (half a step, or less)."),
                         ("In ZeRO-1 every owner must step with the *averaged* gradient (as in exercise 2), and the "
                          "others take the owner's new value as it is. Which collective copies one rank's tensor?"),
                         ("Keep average_gradients(model, world_size) before optimizer.step(); after it, "

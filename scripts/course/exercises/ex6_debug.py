@@ -119,6 +119,9 @@ def check_accumulation(path: Path, work: Path, *, backend: str, timeout: float) 
                               f"{CONFIG_C['per_rank']} per rank per step", seconds=run.seconds)
     except Stop as stop:
         v, accum = stop.verdict, CONFIG_C["accum"]
+        if v.diagnosis == "ranks-differ":  # DDP averages in the backward run outside no_sync(): that one was not
+            fail("unsynced", f"{v.symptom.rstrip('.')}: DDP did not average the gradients that the step applied "
+                 "(its all-reduce runs in a backward outside no_sync() only).", launched=True)
         if v.diagnosis in ("differs", "summed", "factor") and abs(v.facts.get("ratio", 0) - accum) < 0.05 * accum:
             v.diagnosis = "accum-not-divided"
             v.symptom = (f"the job runs, but after step {v.facts['step']} the parameters are far from one process's "
@@ -134,7 +137,7 @@ HINTS_A = {
               "was when the timeout ended it: hint('6a') shows it."),
              ("Where each rank was: {detail} Two ranks waiting in two *different* collectives is the signature of a "
               "collective that only some ranks call. Follow the waiting rank's line up to the code that called it: is "
-              "that code run by every rank? (Notebook 04, section 12; `py-spy dump --pid PID` shows the same for a "
+              "that code run by every rank? (Notebook 04b, section 12; `py-spy dump --pid PID` shows the same for a "
               "live job.)"),
              ("evaluate() contains an all_reduce, and only rank 0 calls evaluate(). Every rank must evaluate its own "
               "part; only the printing and saving belong to rank 0.")],
@@ -172,13 +175,19 @@ HINTS_B = {
 
 HINTS_C = {
     "accum-not-divided": [("Measure by how much each step goes too far: compare one step with one process's step "
-                           "from the same point (notebook 04 section 13 compares steps like this); hint('6c') shows "
+                           "from the same point (notebook 04b section 13 compares steps like this); hint('6c') shows "
                            "what the check measured."),
                           ("{detail} The factor is also the number of accumulation steps (--accum 4): something adds "
                            "up once per micro-batch. backward() adds to .grad: compare the gradient after 4 "
                            "micro-batches with the gradient of one batch of the same 4× size."),
                           ("Each micro-batch's loss is a mean over its samples; the 4 backward() calls add 4 means. "
                            "Divide each micro-batch's loss by the number of accumulation steps before backward().")],
+    "unsynced": [("The ranks differ after a step: DDP did not average the gradients before optimizer.step(), "
+                  "because the last micro-batch ran under no_sync() (DDP all-reduces only in a backward outside it)."),
+                 ("model.no_sync() turns DDP's all-reduce off for the backward inside it (and it is read in the "
+                  "forward). Which micro-batch's forward and backward run outside it? Print `last` for each micro."),
+                 ("Run the last micro-batch (micro == args.accum - 1) outside no_sync(), forward and backward; every "
+                  "earlier one inside it.")],
     "halved": [("Each step is half one process's step: something divides by the world size, and DDP already "
                 "averages the gradients over the ranks."),
                "Which divisions stand between the micro-batch loss and optimizer.step()?",

@@ -111,6 +111,9 @@ def _outputs(saved: list[dict], ref: dict, config: dict) -> None:
     if same and close(outs[0], reference(**config, x_scale=NPROC)["out"]):
         fail("copy-forward-reduce", f"every rank has the same output: the one the unsplit MLP gives for the input "
                                     f"taken {NPROC} times: the input was summed over the ranks on its way in.")
+    if not same and close(outs[0], ref["out"]):
+        fail("reduce-one-rank", "rank 0's output equals the unsplit MLP's and the other ranks' do not (largest "
+                                f"difference {worst:.2g}): the sum reached rank 0 only.")
     if not same and close(sum(outs), ref["out"] + (NPROC - 1) * bias):
         fail("no-forward-reduce", "the ranks' outputs differ from the reference, and their partial sums add up to "
                                   f"it: the output was never summed (largest difference {worst:.2g}).")
@@ -142,6 +145,10 @@ def diagnose(saved: list[dict], ref: dict, config: dict = CONFIG) -> Verdict:
         fail("backward-summed-twice", f"the output is right, but every gradient before the sum (all but proj's "
                                       f"bias) is exactly {NPROC} times the reference's: the output's gradient was "
                                       "summed over the ranks again.")
+    if factors == {1 / NPROC}:
+        fail("backward-divided", f"the output is right, but every gradient before the sum (all but proj's bias) is "
+                                 f"exactly 1/{NPROC} of the reference's: the output's gradient was divided by the "
+                                 "world size on its way back.")
     for r, p in enumerate(pairs):
         for name in GRADS:
             mine, want = p[name]
@@ -155,6 +162,9 @@ def diagnose(saved: list[dict], ref: dict, config: dict = CONFIG) -> Verdict:
             fail("backward-averaged", f"the output and every weight gradient are right, and the input's gradient is "
                                       f"the same on every rank, but exactly 1/{NPROC} of the reference's: the ranks' "
                                       "shares were averaged, not summed.")
+        if close(x_grads[0], ref["x_grad"]):
+            fail("reduce-one-rank", "the output and every weight gradient are right, and rank 0's input gradient too, "
+                                    "but not the other ranks': the sum reached rank 0 only.")
         if close(sum(x_grads), ref["x_grad"]):
             fail("no-backward-reduce", "the output and every weight gradient are right, but each rank's input "
                                        "gradient is only a part: the ranks' input gradients add up to the right one.")
@@ -211,6 +221,17 @@ HINTS = {
          "on every rank."),
         "Look at Reduce.backward: summing a gradient that every rank holds whole multiplies it by the world size.",
         "Reduce.backward returns grad as it is (identity); only Copy.backward sums."],
+    "reduce-one-rank": [
+        ("The sum reached rank 0 only: dist.reduce leaves the sum on its dst rank alone, while every rank needs the "
+         "whole result (each computes the next layer, or the input's gradient, with it)."),
+        "Which collective leaves the sum on every rank? Look at the dist.* call in Reduce.forward and Copy.backward.",
+        "dist.all_reduce(out) in Reduce.forward; dist.all_reduce(grad) in Copy.backward."],
+    "backward-divided": [
+        ("Every gradient is exactly 1/world size of the reference's: the output's gradient was divided by the "
+         "world size on its way back. In tensor parallelism each rank holds the whole output: nothing is averaged."),
+        ("Look for a division by the world size between the loss and the layers: in Reduce.backward, or the "
+         "loss itself (DDP habits: the ranks here do not hold copies of one model)."),
+        "Reduce.backward returns grad as it is, and the loss is not divided by the world size."],
     "shapes": [
         "A slice was cut along the wrong dimension of the weight: its shape does not fit what it multiplies.",
         ("nn.Linear stores weight as (out_features, in_features). Column parallel splits the outputs; row "

@@ -49,7 +49,7 @@ def reference(tokens: int, seed: int) -> list[dict]:
     out = []
     for r in range(NPROC):
         rows = slice(r * tokens, (r + 1) * tokens)
-        out.append({"y": y[rows].detach(), "x_grad": every.grad[rows], "gate": gate[rows], "unscaled": unscaled[rows],
+        out.append({"x": xs[r].detach(), "y": y[rows].detach(), "x_grad": every.grad[rows], "gate": gate[rows], "unscaled": unscaled[rows],
                     "expert0": expert0[rows], "sends": torch.bincount(expert[rows], minlength=NPROC).tolist(),
                     "expert_grads": {n: p.grad for n, p in moe.experts[r].named_parameters()}})
     return out
@@ -97,6 +97,13 @@ def diagnose(saved: list[dict], ref: list[dict], where: str = "") -> Verdict:
             if _permuted(mine["y"], want):
                 fail("combine-order", f"{where}rank {r}: every output is the right one, but in the wrong row: each "
                                       "token got another token's expert output.")
+            if close(mine["y"], want["gate"][:, None] * want["x"]):
+                fail("combine-inputs", f"{where}rank {r}: every output is its token's own input times its gate: what "
+                                       "came back from the combine were the tokens, not the expert's outputs.")
+            dropped = (mine["y"] == 0).all(1) & ~(want["y"] == 0).all(1)
+            if dropped.any() and close(mine["y"][~dropped], want["y"][~dropped]):
+                fail("dropped", f"{where}rank {r}: {int(dropped.sum())} of its {len(dropped)} tokens have an output "
+                                "of zeros, and every other output is right: those tokens were dropped on the way.")
             if close(mine["y"], want["expert0"]):
                 fail("wrong-expert", f"{where}rank {r}: every output is expert 0's, also for the tokens routed to "
                                      "another expert: the tokens a rank receives went through another rank's expert.")
@@ -151,6 +158,17 @@ HINTS = {
          "runs the same exchange backwards: which splits are its output's, and which its input's?"),
         ("received = all_to_all_single(x[order], recv_splits, send_splits, dist.group.WORLD); "
          "back = all_to_all_single(done, send_splits, recv_splits, dist.group.WORLD)")],
+    "combine-inputs": [
+        ("Each token came back as itself (times its gate): the combine sent back the tokens the expert received, "
+         "not the expert's outputs."),
+        "Which tensor does your combine's all_to_all_single send back: the one the expert made, or the one it was given?",
+        "back = all_to_all_single(done, send_splits, recv_splits, dist.group.WORLD), with done = moe.experts[rank](received)"],
+    "dropped": [
+        ("Some tokens were dropped: their outputs are zeros while the others are right. Here every token must reach "
+         "its expert and come back (no capacity limit, no token left out)."),
+        ("Count the rows at each stage: the tokens sent (sum of send), received (sum of recv), run through the "
+         "expert, sent back. Where do some go missing or get zeroed?"),
+        "Run the expert on every received row (done = moe.experts[rank](received)) and put every row back."],
     "combine-order": [
         ("The outputs are the right ones but in the wrong rows: the combine did not put each token's output back "
          "in that token's row."),

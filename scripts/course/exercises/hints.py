@@ -7,6 +7,8 @@ A hint may hold ``{detail}``: what the check measured that points at the cause (
 kept in the results file), shown only when that rung is reached (``filled``).
 """
 
+from course.exercises.crashes import CRASH_HINTS
+
 COMMON_HINTS = {
     "missing": ["Run the `%%writefile` cell of the exercise (it writes the script), then this cell."],
     "syntax": [("Python cannot read the script: fix the line shown (the caret points where Python gave up), run "
@@ -23,8 +25,8 @@ COMMON_HINTS = {
     "hang": [("One rank waited in a collective (all_reduce, broadcast, barrier, ...) that the other never called, or "
               "called in another order; the process-group timeout ended it. The lines above show where each rank was."),
              ("Every collective must be called by every rank, the same number of times, in the same order. Look for a "
-              "collective inside an `if` on the rank, or in a loop whose length differs between ranks (notebook 04 "
-              "shows both: section 12, a collective only some ranks call; section 7, uneven inputs)."),
+              "collective inside an `if` on the rank, or in a loop whose length differs between ranks (notebook 04b "
+              "section 12, a collective only some ranks call; notebook 04 section 7, uneven inputs)."),
              ("Find the collective in the rank that timed out, then the condition or loop that keeps the other rank "
               "from reaching it, and make every rank call it.")],
     "no-trace": [("Keep the lines that create `trace = Trace(...)`, call `trace.step(...)` and `trace.save()`: the "
@@ -58,6 +60,8 @@ COMMON_HINTS = {
                         "writing?"),
                        "Only one process (rank 0) should open and write the log; the others should not touch it."],
 }
+
+COMMON_HINTS.update(CRASH_HINTS)  # a crash of a known kind (course.exercises.crashes)
 
 COMMON_HINTS["factor"] = [
     ("The step is an exact multiple (or fraction) of the reference's: the factor is in the line above. Something "

@@ -133,7 +133,9 @@ def _crashes(output: str, path: Path) -> list[Crash]:
                     code = block[i + 1].strip() if i + 1 < len(block) else ""
                     frames.append((int(m.group(2)), m.group(3), code))
             elif line and not line.startswith(" ") and not line.startswith("During handling"):
-                error = line.strip()
+                after = block[i + 1] if i + 1 < len(block) else ""  # a message that goes on, indented
+                error = line.strip() + (" " + after.strip() if after.startswith(" ") and after.strip()
+                                        and not after.lstrip().startswith("File ") else "")
                 break
         found.append(Crash(rank, _short(error), frames))
     return found
@@ -226,7 +228,8 @@ def guarded(path: Path, fn, what: str):
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == str(path)]
         where = f" at {path.name} line {frames[-1].lineno}: `{frames[-1].line}`" if frames else ""
         diagnosis = "hang" if isinstance(error, TimeoutError) else "crash"
-        fail(diagnosis, f"{what} raised {type(error).__name__}{where}: {_short(str(error))}", status="error")
+        fail(diagnosis, f"{what} raised {type(error).__name__}{where}: {_short(str(error))}", status="error",
+             errors={0: f"{type(error).__name__}: {_short(str(error))}"}, rank=0)
     finally:
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)

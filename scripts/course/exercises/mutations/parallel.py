@@ -54,8 +54,8 @@ EX8 = [
     Case("8", "targets of another micro-batch", "stage1",
          (("zip(x.chunk(m), y.chunk(m))", "zip(x.chunk(m), reversed(y.chunk(m)))"),)),
     # rank 1 sends a gradient that does not exist (its input never asked for one): its own crash, not a hang
-    Case("8", "stage 1's input without requires_grad", "crash", (("            h.requires_grad_()\n", ""),), "crash"),
-    Case("8", "stage 0's backward without the received gradient", "crash",
+    Case("8", "stage 1's input without requires_grad", "crash-none", (("            h.requires_grad_()\n", ""),), "crash"),
+    Case("8", "stage 0's backward without the received gradient", "crash-grad",
          (("outputs[i].backward(grad)", "outputs[i].backward()"),), "crash"),
     Case("8", "backwards from the last micro-batch on both ranks", "pass",
          (("    for i in range(m):  # all backwards", "    for i in reversed(range(m)):  # all backwards"),)),

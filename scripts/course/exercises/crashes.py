@@ -1,0 +1,84 @@
+"""The kind of a crash, read from what the run saw: the crashing rank's error (its type and text). A crash
+becomes ``crash-name`` (a name or attribute that does not exist), ``crash-none`` (None where a tensor belongs:
+a .grad never filled), ``crash-not-tensor`` (a collective given a Python number), ``crash-json`` (a tensor
+logged as a number), ``crash-grad`` (backward() refused), ``crash-device`` or ``crash-shape``; an error of no
+known kind stays ``crash``. Each kind has a hint ladder whose first rung names it (``CRASH_HINTS``, merged into
+the common hints). ``named`` is applied by ``exercises.check`` after an exercise's own reading of a crash
+(exercise 7's shapes, exercise 9's splits), which comes first.
+"""
+
+import re
+
+KINDS = (  # (diagnosis, pattern over the error line): the first that matches names the kind
+    ("crash-json", r"is not JSON serializable"),
+    ("crash-none", r"NoneType"),
+    ("crash-not-tensor", r"of type torch\.Tensor|Expected .*Tensor but got|must be (a )?Tensor"),
+    ("crash-name", r"^(NameError|UnboundLocalError)\b|^AttributeError: .*has no attribute"),
+    ("crash-grad", (r"does not require grad|implicitly created only for scalar|backward through the graph a second "
+                   r"time|leaf Variable that requires grad")),
+    ("crash-device", r"device_ids|same device|\bCUDA\b|\bcuda\b|\bnccl\b|NCCL|No backend type associated"),
+    ("crash-shape", (r"size mismatch|cannot be multiplied|must match the size|shape '\[.*\]' is invalid|Sizes of "
+                    r"tensors must match|broadcast shape|mat1 and mat2|[Ee]xpected size|nbytes|size of tensor")),
+)
+
+
+def kind(error: str) -> str | None:
+    """The kind of a crash from the rank's error line ("TypeError: ..."), or None."""
+    error = error.strip()
+    return next((name for name, pattern in KINDS if re.search(pattern, error)), None)
+
+
+def named(verdict):
+    """A plain ``crash`` verdict renamed to its kind when the crashing rank's error shows one."""
+    if verdict.diagnosis != "crash":
+        return verdict
+    errors = verdict.facts.get("errors") or {}
+    error = errors.get(verdict.facts.get("rank"), "") or " ".join(errors.values())
+    found = kind(error)
+    if found:
+        verdict.diagnosis = found
+    return verdict
+
+
+CRASH_HINTS = {
+    "crash-name": [
+        ("The error is a name Python does not know (NameError, or an AttributeError: the object has no such "
+         "attribute) on the line shown: a misspelt variable, function or method, or one used before it is defined."),
+        ("Compare that name, letter by letter, with where it is defined: the imports at the top, the variables above "
+         "the line, the object's own methods (`dir(obj)` lists them)."),
+        "Correct the name (or define it before the line), run the `%%writefile` cell again, then check."],
+    "crash-none": [
+        ("A value was None where a tensor belongs, on the line shown: most often a `.grad` that no backward() "
+         "filled, because its tensor did not require grad when the forward used it."),
+        ("Which tensor on that line is None? A tensor's .grad is filled by backward() only if it required grad "
+         "*before* the forward that used it (requires_grad_() first, then the forward)."),
+        "Call requires_grad_() on the tensor before the forward that uses it, and read its .grad after backward()."],
+    "crash-not-tensor": [
+        ("A collective was given a Python number (or another object), not a tensor: torch.distributed works in place "
+         "on tensors, and `.item()` turned one into a number too early."),
+        "Look at the argument of the dist.* call on the line shown: print(type(x)).",
+        "Pass a tensor (for a loss: loss.detach().clone()), all-reduce it, then call .item() on the result."],
+    "crash-json": [
+        "A tensor was logged where JSON needs a plain number: json.dumps cannot write a torch.Tensor.",
+        "Which value of the record is a tensor? print(type(v)) for each.",
+        "Turn it into a number with .item() (after the all_reduce) before putting it in the record."],
+    "crash-grad": [
+        ("backward() was refused: it was called on a tensor that is not a scalar without the gradient to start "
+         "from, or on one with no graph behind it."),
+        ("backward() of a non-scalar output needs the gradient of that output: output.backward(grad). Only a scalar "
+         "(a loss) can start a backward on its own."),
+        ("Call loss.backward() on the scalar loss; an earlier pipeline stage calls output.backward(grad) with the "
+         "gradient it received for that output.")],
+    "crash-device": [
+        ("The error is about devices: a tensor or a module on another device than the one asked for (DDP's "
+         "device_ids with a model on the CPU, a CUDA call on a machine without one)."),
+        ("print(x.device, next(model.parameters()).device) on the line shown. DDP(model, device_ids=[i]) is for a "
+         "model on one GPU per process only."),
+        "Pick the device once, move the model there, and wrap it: DDP(model) on the CPU, device_ids=[local_rank] on a GPU."],
+    "crash-shape": [
+        ("The error is about shapes: two tensors whose sizes do not fit (a product, a broadcast, a receive buffer) "
+         "on the line shown."),
+        "Print the .shape of each tensor on that line, and say which sizes should be equal.",
+        ("Make the shapes agree: add the missing axis (gate[:, None]), split along the right dimension, or receive "
+         "into a buffer of the sent tensor's shape.")],
+}
