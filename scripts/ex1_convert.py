@@ -49,9 +49,10 @@ def evaluate(model, loader, device):
 def main():
     args = parse_args()
     rank, local_rank, world_size = ..., ..., ...  # TODO step 1: read them from torchrun's environment
-    # Step 2's tools (train_ddp.py of notebook 03 uses them): torch.accelerator.current_accelerator()
-    # (cuda, mps, ... or None), torch.accelerator.device_count(), torch.accelerator.set_device_index(i) and
-    # dist.get_default_backend_for_device(accelerator) (nccl for cuda); MPS cannot be carried between
+    # Step 2's tools (notebook 03's train_ddp.py gets them through course/train_utils.py and course/hardware.py):
+    # torch.accelerator.current_accelerator() (cuda, mps, ... or None), torch.accelerator.device_count(),
+    # torch.accelerator.set_device_index(i), dist.get_default_backend_for_device(accelerator) (nccl for cuda) and
+    # dist.Backend.backend_capability (the device types a backend carries); MPS cannot be carried between
     # processes, so there (and with no accelerator, or fewer than the processes) the CPU and gloo.
     device = ...  # TODO step 2: its accelerator number local_rank if each process has one, else the CPU
     ...  # TODO step 1: join the group: that device's backend, timeout=timedelta(seconds=args.timeout)
