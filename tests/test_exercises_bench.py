@@ -10,12 +10,15 @@ from course.exercises.mutations import Case, by_key
 
 
 def test_bench_writes_the_rates_of_the_cases_it_ran(tmp_path):
-    metrics = bench_checker.main(["--only", "3", "--jobs", "1", "--run-dir", str(tmp_path / "bench")])
+    metrics = bench_checker.main(["--only", "3", "--group", "older", "rungs", "--jobs", "1",
+                                  "--run-dir", str(tmp_path / "bench")])
     written = json.loads((tmp_path / "bench" / "metrics.json").read_text())
-    assert written["mistakes"] == sum(not c.correct for c in by_key("3")) == metrics["mistakes"]
+    cases = [c for c in by_key("3") if c.group != "held-out"]  # the held-out set: the benchmark's alone
+    assert written["mistakes"] == sum(not c.correct for c in cases) == metrics["mistakes"]
     assert (written["false_pass"], written["false_fail"], written["first_hint_rate"]) == (0, 0, 1.0)
-    assert written["per_exercise"]["3"]["correct_alternatives"] == sum(c.correct for c in by_key("3"))
-    assert {r["case"] for r in written["cases"]} == {c.id for c in by_key("3")} and written["processes_left"] == 0
+    assert written["first_rung"]["named"] == written["mistakes"] and written["per_group"]["older"]["mistakes"] > 0
+    assert written["per_exercise"]["3"]["correct_alternatives"] == sum(c.correct for c in cases)
+    assert {r["case"] for r in written["cases"]} == {c.id for c in cases} and written["processes_left"] == 0
 
 
 def test_bench_counts_a_wrong_verdict_as_wrong(tmp_path):

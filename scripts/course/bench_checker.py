@@ -1,6 +1,7 @@
 """Benchmark: how often the exercise checker is wrong, over its own test set (``course.exercises.mutations``).
 
-    python -m course.bench_checker [--jobs 2] [--repeat 1] [--only 4 9 ...]     (or: make bench)
+    python -m course.bench_checker [--jobs 2] [--repeat 1] [--only 4 9 ...] [--group held-out] [--case ID ...]
+                                   [--timeout S]     (or: make bench)
 
 Every case of the set (a realistic wrong solution, or a correct alternative, of each exercise) is checked as
 a learner's script is: ``course.exercises.check`` on a copy in a folder of its own, ``--jobs`` at a time. A
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from course.args import positive_int, repo_path
+from course.exercises.running import LAUNCH_TIMEOUT_S
 from course.runlog import RunLog
 
 
@@ -47,7 +49,7 @@ def leftover(marker: str) -> int:
     return count
 
 
-def run_case(case, root: Path, attempt: int) -> dict:
+def run_case(case, root: Path, attempt: int, timeout: float) -> dict:
     """One check of one case, in its own folder; what it found and how long it took."""
     from course.exercises import EXERCISES, check
 
@@ -56,7 +58,8 @@ def run_case(case, root: Path, attempt: int) -> dict:
     path = folder / EXERCISES[case.key].script
     path.write_text(case.script())
     start = time.monotonic()
-    result = check(case.key, path, work_dir=folder / "work", results_file=folder / "results.json", show=False)
+    result = check(case.key, path, work_dir=folder / "work", results_file=folder / "results.json", show=False,
+                   timeout=timeout)
     right = result.passed if case.correct else (not result.passed and result.diagnosis == case.expect
                                                 and result.hint_level == 1)
     return {"case": case.id, "exercise": case.key, "expect": case.expect, "class": case.cls,
@@ -101,10 +104,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", nargs="+", metavar="EXERCISE", help="only these exercises' cases (e.g. 4 6a 9)")
     parser.add_argument("--group", nargs="+", choices=("older", "rungs", "held-out"),
                         help="only these groups of cases (Case.group; older: the set before issue 44)")
+    parser.add_argument("--case", nargs="+", metavar="ID", help="only these cases (e.g. '2/a typo')")
+    parser.add_argument("--timeout", type=positive_int, default=LAUNCH_TIMEOUT_S,
+                        help="wall-clock limit of each check's job, seconds (a loaded machine needs more)")
     parser.add_argument("--run-dir", type=repo_path, default="runs/benchmarks/checker")
     args = parser.parse_args(argv)
     cases = [c for c in CASES if (not args.only or c.key in args.only)
-             and (not args.group or (c.group or "older") in args.group)]
+             and (not args.group or (c.group or "older") in args.group) and (not args.case or c.id in args.case)]
 
     log = RunLog(args.run_dir, benchmark="exercise checker", cases=len(cases), jobs=args.jobs, repeat=args.repeat)
     with tempfile.TemporaryDirectory(prefix="bench_checker_") as tmp:
@@ -112,7 +118,7 @@ def main(argv=None) -> dict:
         work = [(c, a) for a in range(args.repeat) for c in cases]
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            runs = list(pool.map(lambda item: run_case(item[0], root, item[1]), work))
+            runs = list(pool.map(lambda item: run_case(item[0], root, item[1], args.timeout), work))
         wall = time.monotonic() - start
         time.sleep(2)  # a rank ended by its launcher may take a moment to go
         left = leftover(str(root))
