@@ -91,3 +91,26 @@ def test_a_recorded_run_rewrites_the_readme_and_the_headers(tmp_path, monkeypatc
     header = nbformat.read(tmp_path / "00_environment.ipynb", as_version=4).cells[0].source
     assert times.header_line(data["notebooks"]["00_environment"]) in header and " 21 s (measured)" in header
     assert times.apply() == []  # equal now
+
+
+def test_notebook_01s_bad_input_demo_prints_exit_status_2_from_a_path_with_a_space(tmp_path, monkeypatch):
+    """Learner review N6: ``!{sys.executable} ...`` split the interpreter's path at a space (exit status 127).
+    The cell runs here with an interpreter whose path has a space, from notebooks/ as the kernel does."""
+    import contextlib
+    import io
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    cell = next(c.source for c in nbformat.read(ROOT / "notebooks" / "01_single_device.ipynb", as_version=4).cells
+                if c.cell_type == "code" and "exit status" in c.source)
+    python = tmp_path / "a folder" / "python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.chdir(ROOT / "notebooks")
+    monkeypatch.setitem(os.environ, "OMP_NUM_THREADS", "1")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(cell, "01 cell", "exec"), {"sys": SimpleNamespace(executable=str(python))})  # noqa: S102
+    assert out.getvalue().count("exit status 2") == 2, out.getvalue()
