@@ -12,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 export COURSE_QUICK := $(QUICK)
 
-.PHONY: setup data course test bench lab gpu-check clean
+.PHONY: setup data course test bench lab gpu-check clean doctor-wheel
 
 setup: $(VENV)/.installed
 
@@ -49,10 +49,16 @@ bench: data
 	$(PY) -m course.bench_noise
 	$(PY) -m course.bench_checker
 	$(PY) -m course.bench_doctor
+	$(PY) -m course.bench_doctor_public
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data
 	$(PY) -m course.gpu_check
+
+# The DDP doctor to take home: a wheel (build/dist/) whose only requirements are torch and psutil; installed into
+# any environment, it gives the `ddp-doctor` command (tests/test_doctor_install.py installs one into a bare venv).
+doctor-wheel: setup
+	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -w build/dist .
 
 lab: data
 	$(PY) -m course.lab

@@ -1,0 +1,46 @@
+"""The doctor's public-shape set (issue 41 item 6, tests/fixtures/doctor_public/): at least 10 scripts in the shapes
+of widely copied public DDP code, each with one mistake and a fixed version; a few of them run through the doctor
+here (a CUDA/NCCL script launched by torchrun, an mp.spawn script, a fixed one), on a CPU machine through the CPU
+stand-in. The whole set is the benchmark's (course.bench_doctor_public, make bench)."""
+
+import pytest
+from conftest import wait_for_no_processes
+
+from course import ROOT
+from course.doctor import cases
+from course.doctor.report import COST
+
+CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
+LAUNCHED = ["org-elastic-ddp", "org-ddp-tutorial-spawn", "torchvision-reference-fixed"]
+
+
+def test_the_set_has_ten_shapes_each_mistaken_and_fixed():
+    scripts = {c.script for c in CASES}
+    assert len(scripts) >= 10 and all(s.is_file() for s in scripts)
+    for script in scripts:
+        mine = [c for c in CASES if c.script == script]
+        mistaken = [c for c in mine if c.expect]
+        fixed = [c for c in mine if not c.expect]
+        assert len(mistaken) == 1 and len(mistaken[0].expect) == 1, script.name  # one mistake each
+        assert len(fixed) == 1 and fixed[0].group == "correct", script.name
+        source = script.read_text()
+        assert "nccl" in source and "cuda" in source.lower(), f"{script.name}: written as its authors would, for CUDA"
+    assert sum("mp.spawn(" in s.read_text() for s in scripts) >= 2
+    assert any("--local_rank" in s.read_text() for s in scripts)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return cases.run_all([c for c in CASES if c.name in LAUNCHED], tmp_path_factory.mktemp("doctor-public"))
+
+
+@pytest.mark.parametrize("name", LAUNCHED)
+def test_the_doctor_checks_a_public_shape_on_this_machine(name, outcomes):
+    outcome = outcomes[name]
+    report = outcome.report
+    assert outcome.found == sorted(outcome.case.expect), report.text()
+    mistakes = [f for f in report.findings if f.kind != COST]
+    assert report.status == (1 if mistakes else 0) and not report.error, report.text()
+    if "stand-in" in report.command:  # a CPU machine: the report says so, and what it could not see
+        assert any("what needs a GPU" in u for u in report.unchecked), report.text()
+    assert wait_for_no_processes(outcome.case.script.name, timeout=10) == []
