@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.args import JobParser, positive_float, positive_int
-from course.dcp_check import load_failure, problem
+from course.args import JobParser, output_dir, positive_float, positive_int
+from course.dcp_check import load_failure, problem, unverified, write_manifest
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
 from train_2d import loss_context, pick_device, shard_model  # the same model and plan as train_2d.py
@@ -50,13 +50,13 @@ def train(model, optimizer, data, steps, args, mesh, device):
 def parse_args():
     """The flags, the data and the checkpoint to load, checked before the process group: one error line."""
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--save", help="train --steps, save the checkpoint here, then train --steps more")
+    parser.add_argument("--save", type=output_dir, help="train --steps, save the checkpoint here, then train --steps more")
     parser.add_argument("--load", help="load the checkpoint from here, then train --steps more")
     parser.add_argument("--dp", type=positive_int, default=2, help="size of 'dp'; 'tp' gets the rest of the ranks")
     parser.add_argument("--steps", type=positive_int, default=4)
     parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--lr", type=positive_float, default=3e-3)
-    parser.add_argument("--run-dir", default="runs/dcp_reshape")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/dcp_reshape")
     args = parser.parse_args()
     if bool(args.save) == bool(args.load):
         parser.error("give exactly one of --save and --load")
@@ -69,8 +69,6 @@ def parse_args():
     if args.batch_size % args.dp:
         parser.error(f"argument --batch-size: {args.batch_size} does not split into {args.dp} equal slices, one per "
                      "'dp' group")
-    if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
-        parser.error(f"argument --save: {args.save} is a file; a DCP checkpoint is a folder")
     if args.load and (why := problem(args.load)) is not None:
         parser.error(f"argument --load: {why}")
     try:
@@ -99,9 +97,14 @@ def main():
         before = train(model, optimizer, data, range(steps), args, mesh, device)
         model_state, optim_state = get_state_dict(model, optimizer)  # DTensors: this rank's shards + their places
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=args.save)  # every rank writes its part
+        dist.barrier()  # every piece on disk before rank 0 takes their checksums
+        if rank == 0:
+            write_manifest(args.save)  # sha256.json: a piece damaged later is refused, not loaded
     else:
         model_state, optim_state = get_state_dict(model, optimizer)  # the shapes this mesh wants
         state = {"model": model_state, "optim": optim_state}
+        if rank == 0 and (note := unverified(args.load)) is not None:
+            print(note, flush=True)
         try:
             dcp.load(state, checkpoint_id=args.load)  # each rank reads the pieces of its own shards
         except dcp.CheckpointException as error:  # raised on every rank alike (DCP gathers each rank's failure)

@@ -28,12 +28,13 @@ def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", help="not used: the script only prints (a launcher may pass one)")
     parser.parse_args()  # any other argument: one error line
+    world_size = parser.world_size()  # outside torchrun: one line saying how to launch it
     acc = torch.accelerator.current_accelerator(check_available=True)
-    per_rank = acc is not None and torch.accelerator.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
+    per_rank = acc is not None and torch.accelerator.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device_type = acc.type if per_rank and acc.type != "mps" else "cpu"  # the hardware rule, in short
     if device_type != "cpu":
         torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"]))
-    mesh = init_device_mesh(device_type, (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("tp",))
     rank = dist.get_rank()
 
     full = torch.arange(24, dtype=torch.float32).reshape(4, 6)  # the same on every rank

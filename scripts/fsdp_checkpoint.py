@@ -10,6 +10,7 @@ with torch.load(path, weights_only=True).
 """
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
 
-from course.args import repo_path
-from course.checkpoint import check_writable, save_checkpoint
+from course.args import JobParser, repo_output_dir, repo_path, repo_writable_file
+from course.checkpoint import save_checkpoint
 from course.data import build_datasets
-from course.errors import CourseError, record, reported_once
+from course.dcp_check import load_failure, problem, read_metadata, unverified
+from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog
@@ -36,24 +38,24 @@ from course.sharding import blocks, local_bytes
 
 @record
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=repo_path, help="a DCP folder written by train_fsdp.py")
     parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist", help="as when it was saved")
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="as when it was saved")
-    parser.add_argument("--export", type=repo_path, help="write the whole model here, as one ordinary file")
-    parser.add_argument("--run-dir", type=repo_path, default="runs/fsdp_checkpoint")
+    parser.add_argument("--export", type=repo_writable_file, help="write the whole model here, as one ordinary file")
+    parser.add_argument("--run-dir", type=repo_output_dir, default="runs/fsdp_checkpoint")
     args = parser.parse_args()
+    world_size = parser.world_size()  # outside torchrun: one line saying how to launch it
+    # Nothing in the folder is unpickled before this check: sha256.json, then DCP's own classes only.
+    if (why := problem(args.checkpoint)) is not None:
+        parser.error(f"argument checkpoint: {why}")
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    with reported_once(rank):  # a missing folder or dataset: one line, before the group starts
-        if not (args.checkpoint / ".metadata").is_file():
-            raise CourseError(f"{args.checkpoint} is not a DCP checkpoint (it has no .metadata)")
+    with reported_once(rank):  # a missing dataset or a busy run directory: one line, before the group starts
         _, val_set, num_classes = build_datasets(args.dataset)
-        if args.export:
-            check_writable(args.export)
         log = RunLog(args.run_dir, enabled=rank == 0, script="fsdp_checkpoint", world_size=world_size,
                      checkpoint=str(args.checkpoint), export=str(args.export) if args.export else None)
     dist.init_process_group(backend_for(device))
@@ -70,12 +72,21 @@ def main():
     # What to fill: this rank's shards, named as in the plain model. dcp.load reads into them in place.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "epoch": -1, "step": -1}
-    dcp.load(state, checkpoint_id=args.checkpoint)
+    if rank == 0 and (note := unverified(args.checkpoint)) is not None:
+        print(note, flush=True)
+    try:
+        dcp.load(state, checkpoint_id=args.checkpoint)
+    except dcp.CheckpointException as error:  # raised on every rank alike: another model's checkpoint, say
+        if rank == 0:
+            print(f"error: {load_failure(args.checkpoint, error)}", file=sys.stderr, flush=True)
+        dist.barrier()  # every rank got it; all leave together: gloo's exit race, notebook 03
+        dist.destroy_process_group()
+        raise SystemExit(2) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     # Where the pieces came from: the metadata lists, for each tensor, the pieces the saving ranks wrote.
     name, param = next(iter(model.named_parameters()))
-    pieces = dcp.FileSystemReader(args.checkpoint).read_metadata().state_dict_metadata[f"model.{name}"].chunks
+    pieces = read_metadata(args.checkpoint).state_dict_metadata[f"model.{name}"].chunks
     print(f"rank {rank}: {name} {list(param.shape)} was saved as {len(pieces)} piece(s) of rows "
           f"{[(p.offsets[0], p.offsets[0] + p.sizes[0]) for p in pieces]}; this rank now holds "
           f"{list(param.to_local().shape)}; {local_bytes(model.parameters())} bytes of parameters here", flush=True)

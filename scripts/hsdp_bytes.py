@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, output_dir, positive_int
 from course.comm_count import CollectiveCounter, bytes_sent
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
@@ -51,7 +51,7 @@ def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=positive_int, default=2, help="size of 'replicate'; 'shard' gets the rest")
     parser.add_argument("--batch-size", type=positive_int, default=64)
-    parser.add_argument("--run-dir", default="runs/hsdp_bytes")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/hsdp_bytes")
     args = parser.parse_args()
     world = parser.world_size()  # checked before the process group starts: one error line
     if world % args.dp:

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, output_dir, positive_int
 from course.hardware import backend_for, pick_device
 
 
 def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=positive_int, default=2, help="size of the first dimension; 'tp' gets the rest")
-    parser.add_argument("--run-dir", default="runs/mesh_basics")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/mesh_basics")
     args = parser.parse_args()
     if parser.world_size() % args.dp:  # before the process group starts: one error line
         parser.error(f"argument --dp: {args.dp} rows do not divide the {parser.world_size()} processes into a grid")

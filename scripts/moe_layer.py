@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single  # differentiable: backward sends back
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, check_size, output_dir, positive_int
 from course.comm_count import CollectiveCounter
 from course.hardware import backend_for, pick_device
 from course.moe import moe_layer, moe_tokens  # the layer (router + experts) and each rank's tokens
@@ -42,9 +42,12 @@ def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_int, default=32, help="tokens on each rank")
     parser.add_argument("--width", type=positive_int, default=16)
-    parser.add_argument("--run-dir", default="runs/moe_layer")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/moe_layer")
     args = parser.parse_args()  # one error line for bad input, before the process group starts
-    parser.world_size()  # one expert per process, however many: only torchrun's environment is needed
+    world = parser.world_size()  # one expert per process, however many: only torchrun's environment is needed
+    # every rank builds all the experts (8 x width^2 weights each, with gradients) and its tokens' activations
+    check_size(parser, f"--width {args.width}, --tokens {args.tokens}",
+               4 * (16 * (world + 1) * args.width**2 + 32 * args.tokens * args.width))
     device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)

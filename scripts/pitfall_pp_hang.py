@@ -17,13 +17,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from course.args import JobParser, positive_float, positive_int
+from course.args import JobParser, number, positive_float
+
+MAX_MICROBATCHES = 1000  # each a (8, 9, 64) send: 1e9 of them would run (and, with --fix, pile up) for hours
 
 
 def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fix", action="store_true", help="rank 1 sends with isend and waits at the end")
-    parser.add_argument("--microbatches", type=positive_int, default=2)
+    parser.add_argument("--microbatches", type=number(int, 0, high=MAX_MICROBATCHES), default=2,
+                        help=f"at most {MAX_MICROBATCHES}: with --fix, rank 1 holds every posted send until the end")
     parser.add_argument("--timeout", type=positive_float, default=5, help="seconds a send or receive may wait")
     args = parser.parse_args()
     if parser.world_size() != 2:  # before the process group starts: one error line

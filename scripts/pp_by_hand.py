@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, check_gpt_size, output_dir, positive_int
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
@@ -29,7 +29,7 @@ def parse_args():
     parser.add_argument("--microbatches", type=positive_int, default=4)
     parser.add_argument("--steps", type=positive_int, default=3, help="AdamW steps in part 2")
     parser.add_argument("--n-layer", type=positive_int, default=2)
-    parser.add_argument("--run-dir", default="runs/pp_by_hand")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/pp_by_hand")
     args = parser.parse_args()
     if parser.world_size() != 2:
         parser.error(f"torchrun --nproc-per-node: this pipeline's 2 stages need exactly 2 processes, "
@@ -43,6 +43,7 @@ def parse_args():
         data = load_lm_data(batch_size=args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data)  # before any allocation: "needs about X GB, this machine has Y GB"
     return args, data
 
 

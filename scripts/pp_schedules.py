@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, check_gpt_size, output_dir, positive_int
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
@@ -37,7 +37,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--n-layer", type=positive_int, default=4)
     parser.add_argument("--n-embd", type=positive_int, default=128)
-    parser.add_argument("--run-dir", default="runs/pp_schedules")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/pp_schedules")
     args = parser.parse_args()
     world_size, top, heads = parser.world_size(), max(args.microbatches), GPTConfig.n_head
     if args.n_embd % heads:
@@ -56,6 +56,7 @@ def parse_args():
         data = load_lm_data(batch_size=args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data)  # before any allocation: "needs about X GB, this machine has Y GB"
     return args, data
 
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from course.args import nonnegative_int, positive_int, repo_path
+from course.args import JobParser, nonnegative_int, positive_int, repo_output_dir
 from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.measure import compare, time_call
@@ -114,18 +114,19 @@ def collective_seconds(nbytes, world_size, device, rounds):
 
 @record
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], default="resnet18")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="per rank")
     parser.add_argument("--image-size", type=positive_int, default=32, help="cnn and resnet18 inputs")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute: autocast (DDP, ZeRO-1), FSDP2's policy")
     parser.add_argument("--time-steps", type=nonnegative_int, default=3, help="steps per timed round (0: no timing)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="timed rounds of DDP and FSDP2")
-    parser.add_argument("--run-dir", type=repo_path, default="runs/shard_memory")
+    parser.add_argument("--run-dir", type=repo_output_dir, default="runs/shard_memory")
     args = parser.parse_args()
     args.classes = 10 if args.model == "mlp" else 5
 
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world_size = parser.world_size()  # outside torchrun: one line saying how to launch it
+    rank = int(os.environ["RANK"])
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)

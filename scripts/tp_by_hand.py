@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, check_size, output_dir, positive_int
 
 
 class Copy(torch.autograd.Function):
@@ -100,9 +100,12 @@ def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=positive_int, default=64)
     parser.add_argument("--tokens", type=positive_int, default=32, help="batch x sequence positions")
-    parser.add_argument("--run-dir", default="runs/tp_by_hand", help="metrics.json: the differences")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/tp_by_hand", help="metrics.json: the differences")
     args = parser.parse_args()
     world_size = parser.world_size()  # checked before the process group starts: one error line if it does not fit
+    # two copies of the MLP (4 x width^2 weights each, with gradients) and the tokens' activations, fp32
+    check_size(parser, f"--width {args.width}, --tokens {args.tokens}",
+               4 * (20 * args.width**2 + 24 * args.tokens * args.width))
     if 4 * args.width % world_size:
         parser.error(f"argument --width: the MLP's 4 x {args.width} hidden columns do not split over {world_size} "
                      "processes")

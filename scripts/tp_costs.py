@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as tp
 
-from course.args import JobParser, positive_int
+from course.args import JobParser, check_gpt_size, output_dir, positive_int
 from course.comm_count import CollectiveCounter, predict_block, predict_tp_step
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
@@ -69,7 +69,7 @@ def main():
     parser.add_argument("--batch-size", type=positive_int, default=64)
     parser.add_argument("--n-layer", type=positive_int, default=2)
     parser.add_argument("--n-embd", type=positive_int, default=64)
-    parser.add_argument("--run-dir", default="runs/tp_costs")
+    parser.add_argument("--run-dir", type=output_dir, default="runs/tp_costs")
     args = parser.parse_args()
     world, heads = parser.world_size(), GPTConfig.n_head  # checked before the process group: one error line
     if args.n_embd % heads:
@@ -80,6 +80,7 @@ def main():
         data = load_lm_data(batch_size=args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data)  # before any allocation: "needs about X GB, this machine has Y GB"
     if args.sequence_parallel and data.block_size % world:
         parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split over "
                      f"{world} processes")

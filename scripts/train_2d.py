@@ -22,7 +22,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as tp
 from torch.utils.tensorboard import SummaryWriter
 
-from course.args import JobParser, positive_float, positive_int, writable_file
+from course.args import (
+    JobParser,
+    check_gpt_size,
+    lm_seed,
+    output_dir,
+    positive_float,
+    positive_int,
+    writable_file,
+)
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
 
@@ -41,7 +49,7 @@ def parse_args():
     parser.add_argument("--n-layer", type=positive_int, default=2)
     parser.add_argument("--n-head", type=positive_int, default=4)
     parser.add_argument("--n-embd", type=positive_int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=lm_seed, default=0)
     parser.add_argument("--layout", choices=["2d", "hsdp"], default="2d",  # 2D step 1
                         help="2d: FSDP2 over 'dp' x TP over 'tp'; hsdp: replicate x shard, the whole model per group")
     parser.add_argument("--dp", type=positive_int, default=2,
@@ -49,7 +57,8 @@ def parse_args():
     parser.add_argument("--sequence-parallel", action="store_true",  # TP step 3
                         help="also split the LayerNorms (and the activations between blocks) by position")
     parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
+    parser.add_argument("--run-dir", type=output_dir, default=f"runs/{NAME}",
+                        help="TensorBoard events and metrics.json")
     parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
                         help="the final weights ('' : not saved)")
     args = parser.parse_args()
@@ -73,6 +82,7 @@ def parse_args():
         data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data, shards=world_size)  # before any allocation
     if args.sequence_parallel and data.block_size % tp_size:  # 2D step 1: positions split evenly over "tp"
         parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split "
                      f"over {tp_size} processes")

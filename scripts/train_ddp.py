@@ -91,6 +91,7 @@ def main():
     try:  # DDP step 5: checked on every rank before the process group exists, so every rank stops
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
         check_writable(args.checkpoint)  # not after an epoch of training
+        check_writable(args.run_dir / "metrics.json", "the run directory")  # and TensorBoard's
     except (DatasetError, CourseError) as error:
         fail(error)
     writer = SummaryWriter(args.run_dir) if rank == 0 else None  # DDP step 5: TensorBoard events, one writer

@@ -198,6 +198,7 @@ def main():
         train_set, val_set, num_classes = build_datasets("flowers", args.data_dir, args.image_size)
         check_writable(last_path)
         check_writable(best_path)
+        check_writable(args.run_dir / "metrics.json", "the run directory")  # and TensorBoard's
         model = resnet(args.model, num_classes).to(device)
         if args.pretrained:  # e.g. torchvision's ImageNet weights: everything but the 1000-class head
             load_weights(args.pretrained, model, device, skip=("fc.",))

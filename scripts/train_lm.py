@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
-from course.args import JobParser, positive_float, positive_int, writable_file
+from course.args import (
+    JobParser,
+    check_gpt_size,
+    lm_seed,
+    output_dir,
+    positive_float,
+    positive_int,
+    writable_file,
+)
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
 
@@ -34,12 +42,16 @@ def parse_args():
     parser.add_argument("--n-layer", type=positive_int, default=2)
     parser.add_argument("--n-head", type=positive_int, default=4)
     parser.add_argument("--n-embd", type=positive_int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=lm_seed, default=0)
     parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
+    parser.add_argument("--run-dir", type=output_dir, default=f"runs/{NAME}",
+                        help="TensorBoard events and metrics.json")
     parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
                         help="the final weights ('' : not saved)")
     args = parser.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would train its own copy into the same files
+        parser.error(f"torchrun --nproc-per-node: {NAME}.py is one process (train_tp.py, train_pp.py and train_2d.py "
+                     "split the model): run it with python, or --nproc-per-node=1")
     if args.n_embd % args.n_head:
         parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
                      "(each head gets an equal share of the width)")
@@ -47,6 +59,7 @@ def parse_args():
         data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data)  # before any allocation
     return args, data
 
 

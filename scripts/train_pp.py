@@ -20,7 +20,15 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 from torch.utils.tensorboard import SummaryWriter
 
-from course.args import JobParser, positive_float, positive_int, writable_file
+from course.args import (
+    JobParser,
+    check_gpt_size,
+    lm_seed,
+    output_dir,
+    positive_float,
+    positive_int,
+    writable_file,
+)
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
@@ -42,11 +50,12 @@ def parse_args():
     parser.add_argument("--n-layer", type=positive_int, default=2)
     parser.add_argument("--n-head", type=positive_int, default=4)
     parser.add_argument("--n-embd", type=positive_int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=lm_seed, default=0)
     parser.add_argument("--schedule", choices=SCHEDULES, default="gpipe")  # PP step 3
     parser.add_argument("--microbatches", type=positive_int, default=4, help="micro-batches per step")  # PP step 3
     parser.add_argument("--log-every", type=positive_int, default=100, help="steps between printed losses")
-    parser.add_argument("--run-dir", default=f"runs/{NAME}", help="TensorBoard events and metrics.json")
+    parser.add_argument("--run-dir", type=output_dir, default=f"runs/{NAME}",
+                        help="TensorBoard events and metrics.json")
     parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
                         help="the final weights ('' : not saved)")
     args = parser.parse_args()
@@ -73,6 +82,7 @@ def parse_args():
         data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
+    check_gpt_size(parser, args, data, shards=world_size)  # before any allocation
     return args, data
 
 

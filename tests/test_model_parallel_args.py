@@ -23,7 +23,7 @@ from conftest import executed_notebook
 from torch.distributed import device_mesh
 
 from course import ROOT, RUNS, SCRIPTS, import_script
-from course.dcp_check import load_failure, problem
+from course.dcp_check import MANIFEST, load_failure, problem
 from course.launcher import launch
 
 
@@ -259,11 +259,14 @@ def test_once_per_job_under_torchrun(script, argv, flag):
     assert "rank 0 exited with code 2" in result.failure, result.failure  # rank 1 exited quietly, after it
 
 
-def test_corruption_deep_inside_a_piece_is_one_line_from_dcp_load(tmp_path):
-    """What the cheap check cannot see (a piece whose first bytes are right) fails inside dcp.load: still one
-    line, from rank 0, naming the checkpoint; the copy of notebook 12's own checkpoint is damaged, not it."""
+def test_corruption_deep_inside_a_piece_is_refused_by_the_manifest_or_one_line_from_dcp_load(tmp_path):
+    """Notebook 12's own checkpoint carries dcp_reshape.py's sha256.json; a copy damaged where the cheap check
+    cannot see (the zip's end record, its first bytes right) is refused by it before any process starts. Without
+    the manifest (a folder written elsewhere) it loads with a "not verified" note and fails inside dcp.load: still
+    one line, from rank 0, naming the checkpoint."""
     notebook = executed_notebook("12_composed_parallelism")
     source = notebook.written(RUNS / "12_composed_parallelism" / "checkpoint" / ".metadata").parent
+    assert (source / MANIFEST).is_file() and problem(source) is None
     folder = shutil.copytree(source, tmp_path / "ckpt")
     info = max(dcp.FileSystemReader(str(folder)).read_metadata().storage_data.values(), key=lambda i: i.length)
     file = folder / info.relative_path
@@ -271,9 +274,12 @@ def test_corruption_deep_inside_a_piece_is_one_line_from_dcp_load(tmp_path):
     end = info.offset + info.length
     data[end - 22:end] = bytes(22)  # the zip's end record: torch.load can no longer find its directory
     file.write_bytes(bytes(data))
-    assert problem(folder) is None  # the cheap check passes it
+    assert f"{info.relative_path} does not match its sha256" in problem(folder)
+    (folder / MANIFEST).unlink()
+    assert problem(folder) is None  # the cheap check alone passes it
     result = launch("dcp_reshape.py", nproc=1, args=["--load", folder, "--dp", "1"], timeout=120, check=False,
                     on_line=lambda _: None)
     lines = [line for line in result.output.splitlines() if "error:" in line]
     assert result.returncode != 0 and len(lines) == 1, result.output
     assert f"checkpoint {folder} could not be loaded" in lines[0] and "weights_only" not in result.output
+    assert f"checkpoint {folder} has no {MANIFEST}" in result.output

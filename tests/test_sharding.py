@@ -142,7 +142,7 @@ def test_fsdp2_trains_the_same_model_as_one_process(notebook_08, tmp_path):
     single, fsdp = notebook_08.metrics("equivalence/single"), notebook_08.metrics("equivalence/fsdp")
     n, dcp = fsdp["world_size"], WEIGHTS / "08_sharding_fsdp" / "train_fsdp"
     assert n >= 2 and fsdp["global_batch"] == 64 and fsdp["bf16"] is False
-    assert sorted(p.name for p in dcp.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(n))]
+    assert sorted(p.name for p in dcp.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(n)), "sha256.json"]
     notebook_08.written(dcp / ".metadata")
     losses = list(zip(single["train_loss_history"], fsdp["train_loss_history"]))
     steps = len(losses)

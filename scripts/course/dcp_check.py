@@ -1,32 +1,45 @@
-"""Is a distributed checkpoint (DCP) folder whole? One line saying which checkpoint and what is wrong with it.
+"""Is a distributed checkpoint (DCP) folder whole and what the course wrote? One line saying which checkpoint
+and what is wrong with it; and the sha256 manifest that lets it say so.
 
-    from course.dcp_check import problem, load_failure
-    if (why := problem("runs/ckpt")) is not None:   # before any process group: cheap, reads no tensor
+    from course.dcp_check import problem, load_failure, unverified, write_manifest
+    if (why := problem("runs/ckpt")) is not None:   # before any process group: reads no tensor, runs no code
         parser.error(f"argument --load: {why}")
+    if (note := unverified("runs/ckpt")) is not None:
+        print(note)                                 # a folder written elsewhere: loaded, not verified
     try:
         dcp.load(state, checkpoint_id="runs/ckpt")
     except BaseException as error:                  # CheckpointException is a BaseException
         message = load_failure("runs/ckpt", error)  # every rank gets it; rank 0 prints this one line
 
+    dcp.save(state, checkpoint_id="runs/ckpt"); dist.barrier()
+    if rank == 0:
+        write_manifest("runs/ckpt")                 # after every piece: sha256 of each file, written atomically
+
 A DCP checkpoint is a folder: ``.metadata`` (a pickle of where every piece of every tensor sits: which
 file, at which byte, how many bytes) and one ``*.distcp`` file per saving rank, each a row of pieces that
-``torch.save`` wrote one after another. ``problem`` checks the folder, unpickles ``.metadata`` with an
-unpickler that builds only DCP's own metadata classes (a ``.metadata`` that asks for anything else would run
-code: refused, never loaded), and checks that every piece's file exists, is long enough, and starts where
-the metadata says with the bytes every ``torch.save`` starts with. A piece damaged further inside still
-fails in ``dcp.load``; ``load_failure`` turns that into one line too, without torch's advice to retry with
-``weights_only=False`` (which would unpickle whatever the file holds).
+``torch.save`` wrote one after another. DCP stores no checksum, so a few bytes damaged inside a piece (an
+optimizer state, say) load silently; the course writes ``sha256.json`` beside them, and ``problem`` checks
+every file against it first. Then it unpickles ``.metadata`` with an unpickler that builds only DCP's own
+metadata classes (a ``.metadata`` that asks for anything else would run code: refused, never loaded), and
+checks that every piece's file exists, is long enough, and starts where the metadata says with the bytes
+every ``torch.save`` starts with. ``load_failure`` turns what ``dcp.load`` still raises (a checkpoint of
+another model) into one line too, without torch's advice to retry with ``weights_only=False``.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
 import torch
 
+from course.train_utils import sha256, write_manifest  # noqa: F401 (the take-home scripts' own)
+
+MANIFEST = "sha256.json"  # {"sha256": {file name: hex digest}} of .metadata and every piece file (write_manifest)
 ZIP_START = b"PK\x03\x04"  # torch.save's (zip) format: every stored piece starts with it
-_DCP = "torch.distributed.checkpoint."
+_DCP = "torch.distributed.checkpoint.metadata"  # Metadata and the classes it holds (dataclasses, an enum)
+_STORAGE = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")  # where each piece sits in its file
 _PLAIN = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
           ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
           ("collections", "OrderedDict")}
@@ -41,7 +54,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if "." not in name:
-            if module.startswith(_DCP) or (module, name) in _PLAIN:
+            if module == _DCP or (module, name) in _PLAIN or (module, name) == _STORAGE:
                 found = super().find_class(module, name)
                 if (module, name) in _PLAIN or isinstance(found, type):
                     return found
@@ -56,6 +69,39 @@ def read_metadata(path: str | Path):
         return _MetadataUnpickler(f).load()
 
 
+def _stored_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and (p.name == ".metadata" or p.suffix == ".distcp"))
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """What does not match the checkpoint's sha256.json; None if all does (or there is none)."""
+    try:
+        digests = json.loads((path / MANIFEST).read_text())["sha256"]
+        assert isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"checkpoint {path}: its {MANIFEST} is damaged, so its files cannot be verified"
+    for name in sorted(set(digests) | {p.name for p in _stored_files(path)}):
+        if name not in digests:
+            return f"checkpoint {path}: {name} is not in its {MANIFEST} (a file from another save?)"
+        file = path / Path(name).name
+        if not file.is_file():
+            return f"checkpoint {path}: the file {name} listed in its {MANIFEST} is missing"
+        if sha256(file) != digests[name]:
+            return (f"checkpoint {path}: {name} does not match its sha256 in {MANIFEST}: the file was damaged or "
+                    "changed after it was written")
+    return None
+
+
+def unverified(path: str | Path) -> str | None:
+    """The line to print when loading a checkpoint without a manifest (written elsewhere); None if it has one."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return None
+    return f"note: checkpoint {path} has no {MANIFEST} (not written by the course): loaded without verifying its bytes"
+
+
 def problem(path: str | Path) -> str | None:
     """What is wrong with the DCP checkpoint at ``path``, in one line; None if it looks whole."""
     path = Path(path)
@@ -68,6 +114,8 @@ def problem(path: str | Path) -> str | None:
     if not (path / ".metadata").is_file():
         return (f"checkpoint {path} has no .metadata file: not a whole DCP checkpoint (a save that did not "
                 "finish, or another kind of folder)")
+    if (why := _manifest_problem(path)) is not None:  # before .metadata is unpickled at all
+        return why
     try:
         metadata = read_metadata(path)
     except _Refused as refused:

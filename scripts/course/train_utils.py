@@ -11,7 +11,9 @@ that the course's own error module, which shares CourseError and @record with th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -32,17 +34,46 @@ def fail(message) -> None:
     raise SystemExit(2)
 
 
-def number(kind, low, strict=True):
-    """An argparse type: a ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``), else one error line."""
+def number(kind, low, strict=True, high=None):
+    """An argparse type: a finite ``kind`` (int or float) > ``low`` (>= ``low`` if not ``strict``) and <= ``high``
+    (if given), else one error line. nan and inf are refused: a run cannot use them (--lr inf trains to nan)."""
     def parse(text):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text} must be <= {high}")
         return value
     return parse
+
+
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes [-2**63, 2**64 - 1]; samplers add the epoch to the seed
+
+
+def seed(text):
+    """An argparse type for --seed: an integer torch.manual_seed takes, from 0 to SEED_MAX."""
+    return number(int, 0, strict=False, high=SEED_MAX)(text)
+
+
+def memory_bytes() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def too_big(needed: float, what: str = "this run") -> str | None:
+    """Why ``needed`` bytes cannot fit this machine's memory, in words; None if they may."""
+    have = memory_bytes()
+    if have is None or needed <= have:
+        return None
+    return f"{what} needs about {needed / 1e9:,.1f} GB, this machine has {have / 1e9:,.1f} GB"
 
 
 def one_process_only(name: str, why: str = "is not distributed (train_ddp.py is)") -> None:
@@ -55,23 +86,35 @@ def one_process_only(name: str, why: str = "is not distributed (train_ddp.py is)
         raise SystemExit(2)
 
 
-def check_writable(path) -> Path:
-    """Refuse a checkpoint path that cannot be written now (CourseError naming the cause), not after an epoch
-    of training: its folder is created if needed and must accept a new file; the path must not be a folder."""
+def check_writable(path, what="the checkpoint") -> Path:
+    """Refuse a file path that cannot be written now (CourseError naming the cause), not after an epoch of
+    training: its folder is created if needed and must accept a new file (a probe file is created and removed);
+    the path must not be a folder."""
     path = Path(path)
-    blocker = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:  # mkdir would only say "File exists"
-        raise CourseError(f"cannot write the checkpoint {path}: {blocker} is a file, not a folder")
     if path.is_dir():
-        raise CourseError(f"cannot write the checkpoint {path}: it is a folder; name a file in it")
+        raise CourseError(f"cannot write {what} {path}: it is a folder; name a file in it".replace("  ", " "))
+    check_folder(path.parent, what, path)
+    return path
+
+
+def check_folder(folder, what="the run directory", named=None, create=True) -> Path:
+    """Refuse a folder the run cannot write into (CourseError naming the cause), before any process group: it
+    must be a folder or creatable (created unless not ``create``), and a probe file must be creatable and
+    removable in it (or, not created, in the nearest folder above it that exists)."""
+    folder, named = Path(folder), Path(named or folder)
+    what = f"cannot write {what} {named}".replace("  ", " ")
+    blocker = next((p for p in [*reversed(folder.parents), folder] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # mkdir would only say "File exists"
+        raise CourseError(f"{what}: {blocker} is a file, not a folder")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.probe{os.getpid()}"
+        if create:
+            folder.mkdir(parents=True, exist_ok=True)
+        probe = next(p for p in [folder, *folder.parents] if p.is_dir()) / f".probe.{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as error:
-        raise CourseError(f"cannot write the checkpoint {path}: {error.strerror or error}") from None
-    return path
+        raise CourseError(f"{what}: {error.strerror or error}") from None
+    return folder
 
 
 def save_atomically(obj, path, save=None) -> None:
@@ -90,6 +133,27 @@ def save_atomically(obj, path, save=None) -> None:
 def save_json(obj, path) -> None:
     """``obj`` as indented JSON, atomically (a reader never sees half a metrics.json)."""
     save_atomically(obj, path, lambda o, f: f.write(json.dumps(o, indent=2).encode()))
+
+
+def sha256(file) -> str:
+    """The file's sha256, as hex."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder, name="sha256.json") -> Path:
+    """After a DCP save, on one process, once every rank's pieces are on disk (after a barrier): the sha256 of
+    .metadata and of each *.distcp file, written atomically into ``name``. DCP keeps no checksum of its own;
+    course.dcp_check refuses a folder whose files no longer match."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.is_file() and (p.name == ".metadata" or p.suffix == ".distcp"))
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"sha256": {p.name: sha256(p) for p in files}}, indent=1))
+    os.replace(tmp, folder / name)
+    return folder / name
 
 
 def pickled_calls(path, limit: int = 1 << 20) -> list[str]:
