@@ -180,7 +180,7 @@ def test_a_cuda_nccl_script_is_checked_on_the_cpu(tmp_path):
     assert "CUDA/NCCL on a CPU stand-in at " in first and "[set-epoch]" in out.stdout, out.stdout
     assert "what needs a GPU" in out.stdout and "NCCL-only behaviour" in out.stdout
     assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("course-torchrun-*")), list(tmp.iterdir())
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < 240
     shutil.rmtree(doctor_folder(script), ignore_errors=True)
 
 
@@ -188,31 +188,31 @@ def test_a_script_that_spawns_its_own_processes_runs_once(tmp_path):
     """The pytorch.org DDP tutorial's shape: mp.spawn, a hard-coded MASTER_PORT, nccl, device_count(). Run once
     as `python script.py` with the recorder in both processes it starts: its real mistake, no false one."""
     script = _copy("tutorial_spawn.py", tmp_path)
-    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=150)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=300)
     assert report.status == 1 and [f.code for f in report.mistakes] == ["rank-writes"], report.text()
+    assert not report.error, report.text()  # it ended by itself
     assert "model.checkpoint" in report.mistakes[0].evidence and "/tmp\n" not in report.text()
     assert "started once" in report.command and "CPU stand-in" in report.command, report.command
     records = sorted((tmp_path / "doctor" / "job").glob("record_rank*.json"))
     assert [r.name for r in records] == ["record_rank0.json", "record_rank1.json"]  # 2 ranks, not 2 x 2
-    assert report.seconds < 120
 
 
 def test_a_launch_style_script_with_tcp_init_is_clean(tmp_path):
     """--local_rank given as torch.distributed.launch gave it; init_method="tcp://..." with its own port;
     autocast("cuda") and GradScaler("cuda"); a correct script: no finding."""
     script = _copy("launch_style.py", tmp_path)
-    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=150)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=300)
     assert report.status == 0 and not report.findings, report.text()
     assert "given --local_rank" in report.command and "CPU stand-in" in report.command, report.command
 
 
 def test_a_rank_stuck_outside_any_collective_is_named_at_hang_after(tmp_path):
     script = _copy("stuck_rank.py", tmp_path)
-    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=170, hang_after=5)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=300, hang_after=5)
     hang = [f for f in report.findings if f.code == "hang"]
     assert hang and "rank 1 at stuck_rank.py:13, in no collective" in hang[0].evidence, report.text()
     assert "rank 0 in broadcast at stuck_rank.py:14" in hang[0].evidence, report.text()
-    assert report.seconds < 110  # not the 170 s job limit
+    assert "5 s process-group timeout ended it" in hang[0].seen, report.text()  # not the job's 300 s limit
 
 
 def test_a_failed_rank_ends_the_job_and_deleted_files_come_back(tmp_path):
@@ -222,8 +222,9 @@ def test_a_failed_rank_ends_the_job_and_deleted_files_come_back(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("keep")
     os.utime(data, (time.time() - 3600,) * 2)
-    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=170)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=300)
     assert report.status == 2 and "rank 0 fails on its own" in report.error, report.text()
+    assert any("a rank failed: the others were ended" in u for u in report.unchecked), report.text()
     assert not any(f.code == "hang" for f in report.findings), report.text()
     assert data.read_text() == "keep"
-    assert report.seconds < 110, report.text()
+    assert report.seconds < 200, report.text()  # the other rank would have slept 120 s after a slow start

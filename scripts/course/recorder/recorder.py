@@ -14,14 +14,11 @@ records facts that the script cannot fake or forget to report:
   the optimizer-state bytes; the indices each ``DistributedSampler`` yielded, with its epoch;
 - with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
 
-Launch styles: under torchrun (one recorder per rank, as above), or with ``COURSE_RECORD_LAUNCH=spawn`` for a
-script that starts its own processes: ``python recorder.py SCRIPT`` runs it once, as its author runs it, and every
-process it starts (``torch.multiprocessing.spawn``/``start_processes``, ``multiprocessing.Process``) runs its
-target under the recorder (``child``); a rank's number then comes from its process group. The parent's own file
-writes go to ``record_parent.json``. ``COURSE_RECORD_STANDIN=1``: the CPU stand-in for CUDA and NCCL
-(``recorder_standin.py``); ``COURSE_RECORD_LOCAL_RANK_ARG=--local_rank``: the script gets that argument, as
-``torch.distributed.launch`` gave it; ``COURSE_RECORD_PORT``: the rendezvous port the script's own
-``MASTER_PORT`` or ``tcp://`` address is replaced by (a port known free).
+Launch styles: under torchrun, one recorder per rank; with ``COURSE_RECORD_LAUNCH=spawn``, ``python recorder.py
+SCRIPT`` runs a script that starts its own processes once, each of them recorded (``recorder_spawn.py``; the
+parent's own writes in ``record_parent.json``). ``COURSE_RECORD_STANDIN=1``: the CPU stand-in for CUDA and NCCL
+(``recorder_standin.py``); ``COURSE_RECORD_LOCAL_RANK_ARG``: the script gets ``--local_rank=N`` (spelled so), as
+``torch.distributed.launch`` gave it; ``COURSE_RECORD_PORT``: see ``recorder_collectives.py``.
 
 Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``,
 written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT``, seconds that replace the
@@ -166,21 +163,6 @@ def _audit(event, args):
             record["dirs"].append(path)
 
 
-def flight_recorder(limit: int = 2000) -> list[dict]:
-    """The process group's flight-recorder entries (torch records gloo and nccl collectives alike)."""
-    try:
-        import pickle
-
-        import torch
-
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    except Exception:  # noqa: BLE001 - no process group, or a build without it: nothing to add
-        return []
-    keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "time_created_ns", "input_sizes", "state",
-            "process_group", "is_p2p")
-    return [{k: e.get(k) for k in keep} for e in dump.get("entries", [])[-limit:]]
-
-
 def _save(name: str, data: dict) -> None:
     path = os.path.join(OUT, name)
     try:
@@ -205,7 +187,7 @@ def _name() -> str:
 
 
 def _save_record():
-    record["fr"] = flight_recorder()
+    record["fr"] = recorder_collectives.flight_recorder()
     record["seconds"] = now()
     record["rank"] = int(rank())
     pg = record.get("pg") or {}
@@ -227,7 +209,7 @@ def _watch(main_ident: int):
         stack.append({"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name})
         frame = frame.f_back
     _save(f"stuck_{_name()}.json", {"rank": int(rank()), "stack": stack[::-1], "current": record.get("current"),
-                                     "fr": flight_recorder(50), "t": now()})
+                                     "fr": recorder_collectives.flight_recorder(50), "t": now()})
     for _ in range(3):  # the job is about to be stopped, before atexit could run: save what was recorded
         try:
             _save_record()
@@ -345,8 +327,10 @@ def main():
     _start()
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
     if LAUNCH == "spawn":
-        sys.path.append(here)  # a spawned process unpickles its target from ``recorder``
-        _record_started_processes()
+        sys.path.append(here)  # a spawned process unpickles its target from ``recorder_spawn``
+        import recorder_spawn
+
+        recorder_spawn.install()
     atexit.register(_save_record)
     try:
         runpy.run_path(script, run_name="__main__")
@@ -355,83 +339,10 @@ def main():
         raise
 
 
-def _record_started_processes() -> None:
-    """Every process the script starts runs its target under ``child`` (torch's spawn starts its processes
-    through ``multiprocessing.Process`` too); a DataLoader's workers are left alone."""
-    import functools
-    import multiprocessing.process
-
-    init = multiprocessing.process.BaseProcess.__init__
-
-    def recorded(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
-        if target is not None and not getattr(target, "__module__", "").startswith("torch.utils.data"):
-            target = functools.partial(child, target)
-        init(self, group, target, name, args, kwargs or {}, daemon=daemon)
-
-    multiprocessing.process.BaseProcess.__init__ = recorded
-
-
-def child(target, *args, **kwargs):
-    """A process the script started: record it as a rank, from a fresh record (a forked copy of the parent's
-    is emptied), with the wrapped functions in place of those the script imported by name before."""
-    global CHILD
-    import functools
-
-    CHILD = True
-    if _STARTED:  # forked: the wrappers are there; the record is the parent's
-        for value in record.values():
-            if isinstance(value, (list, dict)):
-                value.clear()
-        record.update(pg=None, state_bytes=0, t0_ns=time.time_ns())
-        threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
-    else:
-        _start()
-    _rebind_main()
-    from torch.multiprocessing.spawn import _wrap
-
-    try:
-        if target is _wrap:  # torch's spawn: _wrap(fn, i, args, error_file) catches fn's error itself
-            fn, index, *rest = args
-            record["spawn_index"] = index
-            return target(functools.partial(_as_rank, fn), index, *rest, **kwargs)
-        return _as_rank(target, *args, **kwargs)
-    finally:
-        _save_record()
-
-
-def _as_rank(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except BaseException as error:
-        _script_error(error)
-        raise
-
-
-def _rebind_main() -> None:
-    """The script's module was imported again in this process before the wrappers were installed: names it
-    took with ``from torch.distributed import init_process_group`` get the wrappers."""
-    import types
-
-    import torch
-    import torch.distributed as dist
-
-    outer = {}
-    for owner in (dist, torch.cuda, torch):
-        for value in list(vars(owner).values()):
-            inner = getattr(value, "__wrapped__", None) if isinstance(value, types.FunctionType) else None
-            while inner is not None:
-                outer[id(inner)] = value
-                inner = getattr(inner, "__wrapped__", None)
-    for module in {id(m): m for m in (sys.modules.get("__mp_main__"), sys.modules.get("__main__")) if m}.values():
-        for name, value in list(vars(module).items()):
-            if id(value) in outer:
-                setattr(module, name, outer[id(value)])
-
-
 training = recorder_collectives = None
 CHILD = _STARTED = False
 
 if __name__ == "__main__":
-    import recorder  # this file under its own name: a spawned process finds ``recorder.child`` by it
+    import recorder  # this file under its own name: one module, the same in a forked process and recorder_spawn
 
     recorder.main()

@@ -1,5 +1,5 @@
 """The recorder's view of ``torch.distributed`` (used by ``recorder.py``, imported by its plain name): every
-collective called from Python, and ``init_process_group``.
+collective called from Python, ``init_process_group``, and the flight recorder's entries (``flight_recorder``).
 
 Per collective: its time, its line in the script, whether torch itself called it (DDP's, Join's, FSDP's own),
 whether it ran inside a forward pass, its error if it raised, and for an asynchronous one when its handle was
@@ -22,6 +22,21 @@ NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_te
          "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
          "all_gather_object", "broadcast_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
          "monitored_barrier")
+
+
+def flight_recorder(limit: int = 2000) -> list[dict]:
+    """The process group's flight-recorder entries (torch records gloo and nccl collectives alike)."""
+    try:
+        import pickle
+
+        import torch
+
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    except Exception:  # noqa: BLE001 - no process group, or a build without it: nothing to add
+        return []
+    keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "time_created_ns", "input_sizes", "state",
+            "process_group", "is_p2p")
+    return [{k: e.get(k) for k in keep} for e in dump.get("entries", [])[-limit:]]
 
 
 def _tensors(args, kwargs) -> list:

@@ -1,0 +1,82 @@
+"""The recorder in the processes a script starts itself (used by ``recorder.py`` with
+``COURSE_RECORD_LAUNCH=spawn``, imported by its plain name): the script runs once, as its author runs it, and
+every process it starts (``torch.multiprocessing.spawn``/``start_processes`` start theirs through
+``multiprocessing.Process`` too) runs its target under ``child``: recorded as a rank, whose number comes from its
+process group. A DataLoader's worker processes are left alone.
+"""
+
+import functools
+import sys
+import threading
+import time
+
+import recorder
+
+
+def install() -> None:
+    """Every ``multiprocessing.Process`` the script creates from now on runs its target under ``child``."""
+    import multiprocessing.process
+
+    init = multiprocessing.process.BaseProcess.__init__
+
+    def recorded(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
+        if target is not None and not getattr(target, "__module__", "").startswith("torch.utils.data"):
+            target = functools.partial(child, target)
+        init(self, group, target, name, args, kwargs or {}, daemon=daemon)
+
+    multiprocessing.process.BaseProcess.__init__ = recorded
+
+
+def child(target, *args, **kwargs):
+    """A process the script started: record it as a rank, from a fresh record (a forked copy of the parent's
+    is emptied), with the wrapped functions in place of those the script imported by name before."""
+    recorder.CHILD = True
+    record = recorder.record
+    if recorder._STARTED:  # forked: the wrappers are there; the record is the parent's
+        for value in record.values():
+            if isinstance(value, (list, dict)):
+                value.clear()
+        record.update(pg=None, state_bytes=0, t0_ns=time.time_ns())
+        threading.Thread(target=recorder._watch, args=(threading.main_thread().ident,), daemon=True).start()
+    else:
+        recorder._start()
+    _rebind_main()
+    from torch.multiprocessing.spawn import _wrap
+
+    try:
+        if target is _wrap:  # torch's spawn: _wrap(fn, i, args, error_file) catches fn's error itself
+            fn, index, *rest = args
+            record["spawn_index"] = index
+            return target(functools.partial(_as_rank, fn), index, *rest, **kwargs)
+        return _as_rank(target, *args, **kwargs)
+    finally:
+        recorder._save_record()
+
+
+def _as_rank(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as error:
+        recorder._script_error(error)
+        raise
+
+
+def _rebind_main() -> None:
+    """The script's module was imported again in this process before the wrappers were installed: names it
+    took with ``from torch.distributed import init_process_group`` get the wrappers."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    outer = {}
+    for owner in (dist, torch.cuda, torch):
+        for value in [v for v in vars(owner).values() if type(v) is types.FunctionType]:  # type(): no deprecation proxy warns
+            inner = getattr(value, "__wrapped__", None)
+            while inner is not None:
+                outer[id(inner)] = value
+                inner = getattr(inner, "__wrapped__", None)
+    for module in {id(m): m for m in (sys.modules.get("__mp_main__"), sys.modules.get("__main__")) if m}.values():
+        for name, value in list(vars(module).items()):
+            if id(value) in outer:
+                setattr(module, name, outer[id(value)])
