@@ -114,3 +114,23 @@ def test_notebook_01s_bad_input_demo_prints_exit_status_2_from_a_path_with_a_spa
     with contextlib.redirect_stdout(out):
         exec(compile(cell, "01 cell", "exec"), {"sys": SimpleNamespace(executable=str(python))})  # noqa: S102
     assert out.getvalue().count("exit status 2") == 2, out.getvalue()
+
+
+def test_03_says_why_two_processes_look_several_times_faster_on_a_cpu():
+    """Learner review N5: 03 printed "2 ranks: 6.19x" with no word on the 1-rank run's second thread. Its cell now
+    prints the reason from the numbers (here notebook 03's run of the review); 07 says it in words."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    cells = nbformat.read(ROOT / "notebooks" / "03_ddp_five_steps.ipynb", as_version=4).cells
+    source = next(c.source for c in cells if c.cell_type == "code" and '"1 rank, 1 thread"' in c.source)
+    tail = source[source.index("if RULE.one_process_threads > 1:"):]
+    medians = {"1 rank": 3117, "2 ranks": 19305, "1 rank, 1 thread": 25968}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(tail, {"RULE": SimpleNamespace(one_process_threads=2),  # noqa: S102 - the notebook's own lines
+                    "mlp_speed": {k: SimpleNamespace(median=v) for k, v in medians.items()}})
+    assert "1 rank ran at 8.33x" in out.getvalue() and "2 ranks ran at 0.74x" in out.getvalue(), out.getvalue()
+    capstone = nbformat.read(ROOT / "notebooks" / "07_capstone_flowers.ipynb", as_version=4).cells
+    assert any("'1 rank, 1 thread' row" in c.source for c in capstone if c.cell_type == "code")

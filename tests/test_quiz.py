@@ -66,3 +66,19 @@ def test_the_key_answers_and_a_failing_key_raises(monkeypatch):
     assert got is not None and vars(got) == quiz.key("03")
     with pytest.raises(AssertionError, match="does not pass"):
         quiz.verdict(["wrong"], "x")
+
+
+def test_no_answer_of_check_yourself_is_written_in_the_notebook_before_it():
+    """Learner review O20: 03's comment "938 is one epoch of 60 000 samples" gave away the second answer. No number
+    of 3 digits or more from a question's key is written in the prose or a code comment above the question."""
+    leaks = []
+    for path in NOTEBOOKS:
+        cells = nbformat.read(path, as_version=4).cells
+        for qid, _ in questions(path):
+            first = next(i for i, c in enumerate(cells) if f'quiz.answers("{qid}"' in c.source)
+            above = "\n".join(c.source if c.cell_type == "markdown" else "\n".join(re.findall(r"#.*", c.source))
+                              for c in cells[:first - 1] if "Check yourself" not in c.source)
+            numbers = {str(v) for v in quiz.key(qid).values() if isinstance(v, int) and not isinstance(v, bool)
+                       and v >= 100}
+            leaks += [f"{path.name}: {n} ({qid})" for n in numbers if re.search(rf"(?<![\d.]){n}(?![\d.])", above)]
+    assert not leaks, leaks
