@@ -167,3 +167,12 @@ def test_data_parallel_and_ddp_keep_their_glossary_terms():
         "the Chinese says 分布式数据并行 (DDP); the English names no DDP"]
     assert term_problems("FSDP (fully sharded data parallel)", "完全分片数据并行") == []
     assert term_problems("DDP", "分布式数据并行") == [] and term_problems("x", "分布式数据并行") != []
+
+
+def test_the_chinese_readme_keeps_the_conditions_and_the_times_of_the_english():
+    """Audit Z-2 and Z-15: the CPU-only install line keeps its `rm -rf .venv` condition, and the quick course's time
+    is not "a few minutes" (the table's quick-mode times add up to more than 20)."""
+    zh = readme_section()
+    assert "make setup TORCH=cpu" in zh and "rm -rf .venv" in zh
+    assert sum(e["quick_s"] for e in times.load()["notebooks"].values()) > 20 * 60
+    assert "几分钟" not in zh and "半小时" in zh

@@ -134,3 +134,19 @@ def test_03_says_why_two_processes_look_several_times_faster_on_a_cpu():
     assert "1 rank ran at 8.33x" in out.getvalue() and "2 ranks ran at 0.74x" in out.getvalue(), out.getvalue()
     capstone = nbformat.read(ROOT / "notebooks" / "07_capstone_flowers.ipynb", as_version=4).cells
     assert any("'1 rank, 1 thread' row" in c.source for c in capstone if c.cell_type == "code")
+
+
+def test_the_readme_limits_torchruns_lost_redirects_on_windows_to_run_path_as_the_torch_source_does():
+    """Audit D-1: `get_std_cm` is used only by `_wrap`, which runs function entrypoints (torchrun's --run-path);
+    a script started as a subprocess gets its redirects as plain files."""
+    import ast
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    tree = ast.parse(inspect.getsource(api))
+    callers = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               for n in ast.walk(f) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "get_std_cm"}
+    assert callers == {"_wrap"}
+    sentence = next(s for s in times.README.read_text().split(". ") if "get_std_cm" in s)
+    assert "--run-path" in sentence, sentence
