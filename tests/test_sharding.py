@@ -168,7 +168,7 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one_and_exports_a_plain_file(not
 def test_not_a_checkpoint_is_one_clear_error(datasets, tmp_path):
     with pytest.raises(LaunchError) as error:
         run("fsdp_checkpoint.py", 1, [tmp_path], tmp_path / "run")
-    assert "is not a DCP checkpoint" in str(error.value)
+    assert f"checkpoint {tmp_path}" in str(error.value) and "no .metadata" in str(error.value)  # dcp_check's line
 
 
 def test_notebook_08_writes_its_scripts():
