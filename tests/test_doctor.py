@@ -11,8 +11,9 @@ import pytest
 from conftest import wait_for_no_processes
 
 from course import ROOT
-from course.doctor import Facts, cases, rules_sync
-from course.doctor.report import COST, Finding, Report
+from course.doctor import Facts, _own_failure, _still_running, cases, diagnose, rules_data, rules_sync
+from course.doctor.report import COST, Finding, Report, clip
+from course.doctor.running import Job, Run
 
 CASES = cases.load(bench=False)
 
@@ -126,3 +127,152 @@ def test_notebook_09b_finds_the_three_mistakes_and_none_after_the_fixes():
     text = run.output()
     assert "before the fixes: 3 mistake(s) (set-epoch, eval-one-shard, rank-writes); after: 0" in text, text[-2000:]
     assert "PASS: 1004 samples counted for 1001" in text
+
+
+# --- The rules on records built by hand: the outside tests' defects (issues 41 item 3, 42, 43), in-process ------
+
+def _pass(indices, size, train=True, distributed=None, **extra):
+    return {"loader": 1, "train": train, "size": size, "base": size, "count": len(indices), "batches": 5,
+            "indices": list(indices), "sampler": "DistributedSampler" if distributed else "MySampler",
+            "distributed": distributed, "t": 0.0, "dataset": "TensorDataset", **extra}
+
+
+def _records(*shards, **extra):
+    return {r: {"loaders": shard, "env": {"RANK": str(r), "LOCAL_RANK": "0"}, **extra} for r, shard in enumerate(shards)}
+
+
+def _codes(rule, records, *args):
+    facts = Facts("/")
+    rule(records, *args, facts) if args else rule(records, facts)
+    return facts, [f.code for f in facts.findings]
+
+
+def test_padding_to_equal_shards_is_not_overlap():
+    """drop_last=True on an odd-length set (total_size < len): no padding, no overlap; a sampler of one's own
+    that pads as DistributedSampler does (one repeated index) is not overlap either; real overlap still is."""
+    dist = [{"total_size": 100, "num_replicas": 2, "rank": r, "drop_last": True, "shuffle": True} for r in (0, 1)]
+    dropped = _records([_pass(range(0, 100, 2), 101, distributed=dist[0])], [_pass(range(1, 100, 2), 101,
+                                                                                   distributed=dist[1])])
+    assert _codes(rules_data.sharding, dropped)[1] == []
+    padded = _records([_pass(range(0, 101, 2), 101)], [_pass([*range(1, 101, 2), 0], 101)])
+    assert _codes(rules_data.sharding, padded)[1] == []
+    overlap = _records([_pass(range(60), 101)], [_pass(range(40, 101), 101)])
+    facts, codes = _codes(rules_data.sharding, overlap)
+    assert codes == ["shard-overlap"] and "20 samples" in facts.findings[0].evidence
+
+
+def test_overlap_from_a_split_or_data_of_each_rank_names_that_cause():
+    """random_split drawn on every rank: the Subsets differ (validation leaks into training); data drawn at random
+    on every rank: the tensors differ. Neither advises sampler arguments."""
+    train = [_pass(range(60), 100, split=11), _pass(range(100, 120), 120, train=False, split=12)]
+    other = [_pass(range(40, 100), 100, split=21), _pass(range(50, 70), 120, train=False, split=22)]
+    facts, codes = _codes(rules_data.sharding, _records(train, other))
+    assert codes == ["split-per-rank"], codes
+    finding = facts.findings[0]
+    assert "rank 1's validation samples are in rank 0's training set" in finding.evidence, finding.evidence
+    assert "generator" in finding.fix and "rank=" not in finding.fix and finding.lesson
+    data = _records([_pass(range(100), 100, data=[1.5, 90.0])], [_pass(range(100), 100, data=[-3.0, 95.0])])
+    facts, codes = _codes(rules_data.sharding, data)
+    assert codes == ["split-per-rank"] and "different tensors" in facts.findings[0].evidence
+    same = _records([_pass(range(100), 100, data=[1.5, 90.0])], [_pass(range(100), 100, data=[1.5, 90.0])])
+    assert _codes(rules_data.sharding, same)[1] == ["not-sharded"]
+
+
+def test_evaluation_through_the_ddp_wrapper_on_one_rank_is_named():
+    """Rank 0 alone runs no-grad forwards through DDP that broadcast buffers: named with its evidence."""
+    evals = [{"t": 1.0, "buffers": 3, "where": "train.py:40"}] * 5
+    facts, codes = _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": []}})
+    assert codes == ["eval-ddp-buffers"] and facts.findings[0].lesson
+    assert "rank 0: 5 forward(s)" in facts.findings[0].evidence and "train.py:40" in facts.findings[0].evidence
+    assert "model.module" in facts.findings[0].fix
+    assert _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": evals}})[1] == []
+    no_buffers = [{"t": 1.0, "buffers": 0, "where": "x"}]  # nanoGPT's rank-0 estimate_loss: no collective
+    assert _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": no_buffers}, 1: {"ddp_eval": []}})[1] == []
+
+
+def _grad_records(ddp, cls="DistributedDataParallel", unused=False):
+    def rec(r):
+        fp = [[1.0 + r, 2.0], [3.0 - r, 4.0], None if unused else [5.0, 6.0]]  # not one factor: not grads-scaled
+        return {"ddp": ddp, "modules": [{"class": cls}],
+                "grads": [{"opt": 0, "step": 0, "names": ["w", "b", "aux.w"], "fp": fp}]}
+    return {0: rec(0), 1: rec(1)}
+
+
+def test_fixes_fit_a_model_that_is_already_wrapped():
+    """Gradients not averaged although the model is in DDP: the forward went around it, or a parameter got no
+    gradient with find_unused_parameters=False. Replicas that differ at the start although DDP was built."""
+    ddp = [{"find_unused_parameters": False}]
+    facts, _ = _codes(rules_sync.gradients, _grad_records([]))
+    assert "wrap the model in DistributedDataParallel" in facts.findings[0].fix
+    facts, _ = _codes(rules_sync.gradients, _grad_records(ddp, cls="Net"))
+    assert "model.module" in facts.findings[0].seen and "wrap the model" not in facts.findings[0].fix
+    facts, _ = _codes(rules_sync.gradients, _grad_records(ddp, unused=True))
+    assert "find_unused_parameters=True" in facts.findings[0].fix and "aux.w" in facts.findings[0].seen
+    params = {r: {"ddp": ddp, "modules": [{"names": ["w"]}], "params": [{"m": 0, "step": 0, "fp": [[1.0 + r, 1.0]]}]}
+              for r in (0, 1)}
+    facts, codes = _codes(rules_sync.replicas, params)
+    assert codes == ["replicas-start"] and "after DDP was built" in facts.findings[0].seen
+    assert "wrap the model" not in facts.findings[0].fix
+
+
+def test_a_folder_is_never_a_file_written_by_several_ranks(tmp_path):
+    """tempfile.TemporaryFile opens its folder (O_TMPFILE): the folder is not a shared file."""
+    folder = str(tmp_path)
+    assert _codes(rules_data.writes, {r: {"writes": [folder], "env": {}} for r in (0, 1)})[1] == []
+    shared = str(tmp_path / "last.pt")
+    assert _codes(rules_data.writes, {r: {"writes": [shared], "env": {}} for r in (0, 1)})[1] == ["rank-writes"]
+
+
+def test_a_cut_error_shows_its_cut():
+    text = "RuntimeError: Expected to have finished reduction in the prior iteration " * 5
+    cut = clip(text[:300])
+    assert cut.endswith(" …") and len(cut) <= 242 and text.startswith(cut[:-2]) and cut[-3] != " "
+    assert not text[len(cut) - 2].isalnum()  # cut where a word ends
+    assert clip("short error") == "short error"
+
+
+def _run(output="", records=None, returncode=1, stuck=None, nproc=2):
+    return Run(Job(ROOT / "x.py", [], nproc=nproc, nodes=nproc), returncode, output, records or {}, stuck or {}, 1.0)
+
+
+def test_a_rank_that_aborts_on_a_collective_mismatch_is_the_one_shown():
+    """gloo aborts rank 1 (no record: C++ terminate); rank 0 only saw it die. The mismatch is named, rank 1 first."""
+    output = ("[node1] [rank0]:terminate called after throwing an instance of 'gloo::EnforceNotMet'\n[node1] [rank0]:"
+              "  what():  [enforce fail at gloo/transport/tcp/pair.cc:464] op.preamble.length <= op.nbytes. 12 vs 4. "
+              "Received data size doesn't match expected size. Is there a distributed collective mismatch in your "
+              "code?\n")
+    victim = {"in": "script", "t": 2.0, "where": "train.py:9", "code": "",
+              "error": "RuntimeError: [pair.cc:545] Read error: Connection reset by peer. This is typically caused"}
+    run = _run(output, {0: {"errors": [victim], "pg": {"rank": 0}, "env": {}}})
+    facts = Facts("/")
+    rules_sync.aborted_mismatch(run, facts)
+    assert [f.code for f in facts.findings] == ["collective-mismatch"], facts.findings
+    assert "rank 1 aborted in gloo" in facts.findings[0].evidence
+    failure = _own_failure(run)
+    assert failure.startswith("rank 1 aborted: ") and "collective mismatch" in failure, failure
+    assert "then rank 0, having only seen it die" in failure
+    report = diagnose(run)
+    assert report.status == 1 and any("left no record" in u for u in report.unchecked), report.text()
+
+
+def test_a_job_stopped_at_the_timeout_says_what_the_records_show():
+    """Rank 1 had ended, rank 0 had failed (in DDP's buffer broadcast): not 'every rank at the same collective'."""
+    died = {"in": "script", "t": 9.0, "error": "RuntimeError: Connection closed by peer", "where": "", "code": ""}
+    run = _run(records={0: {"errors": [died], "env": {}}, 1: {"errors": [], "env": {}}}, returncode=None)
+    text = _still_running(run)
+    assert "same collective" not in text and "rank 0 had failed" in text and "rank 1 had ended" in text, text
+    same = {r: {"fr": [{"collective_seq_id": 7}]} for r in (0, 1)}
+    assert "every rank at the same collective" in _still_running(_run(records={}, returncode=None, stuck=same))
+
+
+def test_an_accuracy_divided_by_one_ranks_share_is_hinted():
+    source = (ROOT / "tests/fixtures/doctor/outside_eval.py").read_text()
+    share = {"total_size": 40, "num_replicas": 2, "rank": 0, "drop_last": False, "shuffle": False}
+    records = {r: {"loaders": [_pass(range(r, 40, 2), 40, train=False, distributed=share)],
+                   "collectives": [{"op": "all_reduce", "t": 1.0}]} for r in (0, 1)}
+    hint = rules_data.divisor_hint(records, source)
+    assert "len(val_sampler)" in hint and "20 of the 40" in hint and "2x too large" in hint, hint
+    fixed = source.replace("len(val_sampler)", "correct[1]")
+    assert rules_data.divisor_hint(records, fixed) == ""
+    records[0]["collectives"] = records[1]["collectives"] = []  # nothing summed the counts: no hint
+    assert rules_data.divisor_hint(records, source) == ""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from course import RUNS
 from course.doctor import rules_data, rules_sync
-from course.doctor.report import Finding, Report
+from course.doctor.report import COST, Finding, Report, clip
 from course.doctor.running import Job, Run, run
 
 __all__ = ["Finding", "Job", "Report", "check", "diagnose"]
@@ -60,7 +60,8 @@ class Facts:
 
 
 CUT = ("StopIteration",)  # a cut pass ended a loop that draws more batches than the loader's length
-SYMPTOMS, CAUSES = ("hang", "collective-mismatch"), ("uneven-batches", "local-rank", "eval-one-shard")
+SYMPTOMS = ("hang", "collective-mismatch")
+CAUSES = ("uneven-batches", "local-rank", "eval-one-shard", "eval-ddp-buffers")
 
 
 def diagnose(run: Run) -> Report:
@@ -88,20 +89,26 @@ def diagnose(run: Run) -> Report:
             rules_data.sharding(records, facts)
             rules_sync.gradients(records, facts)
             rules_sync.replicas(records, facts)
-        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_sync.accumulation,
-                     rules_sync.ddp_settings, rules_data.oversubscribed):
+        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_sync.eval_through_ddp,
+                     rules_sync.accumulation, rules_sync.ddp_settings, rules_data.oversubscribed):
+            rule(records, facts)
+    elif records and any(rec.get("pg") for rec in records.values()):  # a rank left no record: what one rank shows
+        lost = sorted(set(range(job.nproc)) - set(records))
+        facts.unchecked.append(f"what compares the ranks (rank {', '.join(map(str, lost))} left no record)")
+        for rule in (rules_data.epoch_order, rules_sync.accumulation, rules_sync.ddp_settings):
             rule(records, facts)
     if records:
         rules_data.writes(records, facts)
+    rules_sync.aborted_mismatch(run, facts)
     rules_sync.own_error(run, facts)
     if run.returncode not in (0, None) and not hung and not report.error:
-        report.error = f"the script failed on its own (exit code {run.returncode}): {_own_failure(run)}"
+        how = "failed" if any(f.kind != COST for f in facts.findings) else "failed on its own"
+        report.error = f"the script {how} (exit code {run.returncode}): {_own_failure(run)}"
     elif run.timed_out and not hung:
-        report.error = (f"the job was still running after {job.timeout:.0f} s, every rank at the same collective, "
-                        "and was stopped: give it a larger --timeout or fewer --steps per pass")
+        report.error = f"the job was still running after {job.timeout:.0f} s and was stopped: {_still_running(run)}"
     facts.fold_symptoms()
     report.findings, report.checked, report.unchecked = facts.findings, facts.checked, facts.unchecked
-    report.hints = _hints(job.script, facts)
+    report.hints = _hints(job.script, facts, records)
     if run.moved or run.restored:
         report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
                         f"{len(run.moved)} new file(s) moved to the doctor's folder")
@@ -113,17 +120,45 @@ VICTIM = ("Connection closed by peer", "Connection reset by peer", "remote worke
 
 def _own_failure(run: Run) -> str:
     """The first rank that failed by an error of its own (not one that only saw another die): from the records,
-    else the launcher's account of the output."""
+    else a rank that aborted in the communication library (it left no record), else the launcher's account."""
     errors = [(rec.get("t0_ns", 0) / 1e9 + e.get("t", 0), r, e) for r, rec in run.records.items()
               for e in rec.get("errors", []) if e["in"] == "script" and not any(v in e["error"] for v in VICTIM)]
     if not errors:
-        return "\n" + run.failure
+        aborted = rules_sync.aborted(run)
+        victims = [(r, e) for r, rec in sorted(run.records.items()) for e in rec.get("errors", [])[-1:]
+                   if any(v in e["error"] for v in VICTIM)]
+        ended = [r for r, rec in sorted(run.records.items()) if not rec.get("errors")]
+        if not aborted and victims and ended:  # a rank went on to a collective after its peer had ended
+            r, e = victims[0]
+            where = f" at {e['where']}" if e.get("where") else ""
+            return (f"rank {r} lost its peer{where}: {clip(e['error'], 160)} (rank "
+                    f"{', '.join(map(str, ended))} had already ended without an error)")
+        if not aborted:
+            return "\n" + run.failure
+        rank, text = aborted[0]
+        return (f"{f'rank {rank}' if rank is not None else 'a rank'} aborted: {text}"
+                + "".join(f"; then rank {r}, having only seen it die: {clip(e['error'], 160)}" for r, e in victims))
     _, rank, error = min(errors, key=lambda item: item[0])
     where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
-    return f"rank {rank}{where}: {error['error']}"
+    return f"rank {rank}{where}: {clip(error['error'])}"
 
 
-def _hints(script: Path, facts: Facts) -> list:
+def _still_running(run: Run) -> str:
+    """What the records show of a job stopped at the timeout that no rule called a hang."""
+    stuck = run.stuck
+    last = {(s.get("fr") or [{}])[-1].get("collective_seq_id") for s in stuck.values()}
+    if len(stuck) == run.job.nproc and len(last) == 1:
+        return "every rank at the same collective: give it a larger --timeout or fewer --steps per pass"
+    said = []
+    for r in range(run.job.nproc):
+        rec = run.records.get(r)
+        errors = rec.get("errors", []) if rec else []
+        said.append(f"rank {r} " + ("was still running" if r in stuck else f"had failed: {clip(errors[-1]['error'], 160)}"
+                                    if errors else "had ended" if rec else "left no record"))
+    return "; ".join(said)
+
+
+def _hints(script: Path, facts: Facts, records: dict | None = None) -> list:
     """What the source suggests where the run could not tell (never a finding on its own)."""
     try:
         source = script.read_text()
@@ -133,6 +168,9 @@ def _hints(script: Path, facts: Facts) -> list:
     if any("order from epoch" in u for u in facts.unchecked) and "DistributedSampler" in source \
             and "set_epoch" not in source:
         hints.append("the script uses DistributedSampler and never calls set_epoch")
+    divisor = rules_data.divisor_hint(records or {}, source)
+    if divisor:
+        hints.append(divisor)
     return hints
 
 

@@ -19,7 +19,17 @@ LESSONS = {  # where the course teaches each finding
     "collective-mismatch": "notebook 04b, pitfall 12", "accum-not-divided": "exercise 6 of notebook 09; notebook 05",
     "accum-sync": "notebook 05 (accumulation with no_sync)", "find-unused": "notebook 05",
     "oversubscribed": "notebook 04, pitfall 4", "not-equivalent": "notebook 03 (the proofs)",
-    "device-mismatch": "notebook 04, pitfall 3"}
+    "device-mismatch": "notebook 04, pitfall 3", "split-per-rank": "notebook 03, step 4",
+    "eval-ddp-buffers": "notebook 04b, pitfall 12"}
+
+
+def clip(text: str, n: int = 240) -> str:
+    """``text`` cut to about ``n`` characters at a word's end, with "…" where it was cut (the recorder keeps an
+    error's first 300 characters: a cut text always shows its cut)."""
+    text = text.strip()
+    if len(text) <= n:
+        return text
+    return text[:n].rsplit(" ", 1)[0].rstrip(" ,;:.") + " …"
 
 
 @dataclass

@@ -50,7 +50,7 @@ def sharding(records: dict, facts) -> None:
     facts.checked.append(f"data split ({a[0]['count']} samples per rank and pass, dataset of {size})")
     shared = set(a[0]["indices"]).intersection(*(set(p["indices"]) for p in a[1:]))
     whole = all(p["count"] + p["count"] // max(p["batches"], 1) >= p["size"] for p in a)  # drop_last: a batch less
-    if size and whole and len(shared) * 2 >= a[0]["count"]:
+    if size and whole and len(shared) * 2 >= a[0]["count"] and not _per_rank(records, a, sorted(shared), facts):
         same = all(p["indices"] == a[0]["indices"] for p in a)
         facts.add(Finding(
             "not-sharded", "The ranks' training data is not split: every rank goes through the whole dataset"
@@ -62,8 +62,9 @@ def sharding(records: dict, facts) -> None:
         return
     counts = Counter(i for p in a for i in set(p["indices"]))
     twice = sorted(i for i, c in counts.items() if c > 1)
-    padding = max((p["distributed"] or {}).get("total_size", size or 0) - (size or 0) for p in a) if size else 0
-    if len(twice) > padding:
+    if twice and _per_rank(records, a, twice, facts):
+        return
+    if twice and not _padded(a, len(counts), len(ranks)):
         facts.add(Finding(
             "shard-overlap", "The ranks' training samples overlap: several ranks train on the same samples.",
             f"{len(twice)} samples are in the shards of two or more ranks in the first pass (e.g. {_first(twice)})"
@@ -77,6 +78,45 @@ def sharding(records: dict, facts) -> None:
             f"DistributedSampler(num_replicas={a[0]['distributed']['num_replicas']}) on {len(ranks)} ranks: "
             f"{sum(p['count'] for p in a)} of {size} samples per pass are used",
             "let DistributedSampler take num_replicas and rank from the process group"))
+
+
+def _padded(a: list, covered: int, n: int) -> bool:
+    """Shards of equal length that cover the whole dataset, with fewer repeats than ranks: the padding that
+    DistributedSampler (or a sampler that pads as it does) adds so that every rank gets as many samples."""
+    repeats = sum(len(p["indices"]) for p in a) - covered
+    return covered == a[0]["size"] and len({len(p["indices"]) for p in a}) == 1 and 0 < repeats < n
+
+
+def _per_rank(records: dict, a: list, shared: list, facts) -> bool:
+    """Shared samples whose cause is that each rank made its own split (a random Subset drawn on every rank) or
+    its own data (drawn at random on every rank): named as such (True), not as a sampler's arguments."""
+    if len({p.get("split") for p in a}) > 1:
+        ranks = sorted(records)
+        train = {r: set(p["indices"]) for r, p in zip(ranks, a)}
+        leaks = [(r, s, len(set(q["indices"]) & train[s])) for r in ranks for s in ranks if s != r
+                 for q in passes(records[r], False)[:1]]
+        leak = max(leaks, key=lambda item: item[2], default=(0, 0, 0))
+        facts.add(Finding(
+            "split-per-rank", "Each rank splits the dataset its own way (a random split drawn on every rank): the "
+            "ranks' training sets overlap, and one rank's validation samples are another rank's training samples.",
+            f"the ranks' Subsets of the {a[0]['dataset']} differ; {len(shared)} training samples are in the shards "
+            f"of two or more ranks (e.g. {_first(shared)})"
+            + (f"; {leak[2]} of rank {leak[0]}'s validation samples are in rank {leak[1]}'s training set"
+               if leak[2] else ""),
+            "draw the split once, the same on every rank: random_split(..., generator=torch.Generator()."
+            "manual_seed(0)) with a seed that does not depend on the rank, then DistributedSampler(train_set)"))
+        return True
+    data = {tuple(p["data"]) if p.get("data") else None for p in a}
+    if len(data) > 1 and None not in data:
+        facts.add(Finding(
+            "split-per-rank", "Each rank draws its own data (at random, with no seed the ranks share): they do not "
+            "split one dataset, so a sample's index names a different sample on each rank.",
+            f"the ranks' {a[0]['dataset']} hold different tensors (sums "
+            + ", ".join(f"{d[0]:.4g}" for d in sorted(data)) + f"); their samplers share {len(shared)} indices",
+            "make the data the same on every rank (one seed for all ranks, or read it from a file), then let "
+            "DistributedSampler(dataset) split it"))
+        return True
+    return False
 
 
 def _inputs(records: dict, facts) -> None:
@@ -202,6 +242,8 @@ def writes(records: dict, facts) -> None:
     folders: dict = {}
     for r, rec in records.items():
         for path in rec.get("writes", []):
+            if os.path.isdir(path):  # opened to hold a file with no name (tempfile.TemporaryFile): not written
+                continue
             by_path.setdefault(path, set()).add(r)
             if EVENTS.search(os.path.basename(path)):
                 folders.setdefault(os.path.dirname(path), set()).add(r)
@@ -234,3 +276,23 @@ def oversubscribed(records: dict, facts) -> None:
             f"{local} process(es) x {threads} torch thread(s) = {local * threads} on {cpus} cores"
             + (f", plus {workers} DataLoader worker(s) each" if workers else ""),
             "give each rank cores // processes threads (torch.set_num_threads, or OMP_NUM_THREADS)", kind=COST))
+
+
+DIVIDED = re.compile(r"/\s*\(?\s*len\(\s*([\w.]+)\s*\)")
+
+
+def divisor_hint(records: dict, source: str) -> str:
+    """An all-reduced count divided by one rank's share: the source divides by len(a sampler) where the run's
+    evaluation split the set over the ranks and a collective followed. A hint: the run cannot see the division."""
+    shares = [(p, rec) for rec in records.values() for p in passes(rec, False)[:1]
+              if p["distributed"] and p["count"] < (p["base"] or 0)]
+    if not shares or not all(_collective_after(rec, p["t"], _next_start(rec, p)) for p, rec in shares):
+        return ""
+    samplers = set(re.findall(r"([\w.]+)\s*=\s*(?:\w+\.)*DistributedSampler\(", source))
+    names = [n for n in DIVIDED.findall(source) if n in samplers or "sampler" in n.lower()]
+    if not names or "all_reduce" not in source:
+        return ""
+    p = shares[0][0]
+    return (f"the script divides by len({names[0]}) after an all_reduce: that is one rank's share ({p['count']} of the "
+            f"{p['base']} validation samples in this run), so a count summed over the ranks divided by it is "
+            f"{p['distributed']['num_replicas']}x too large; divide by the all-reduced total (or len(dataset))")

@@ -6,7 +6,7 @@ dump and the flight recorder) or collectives that do not match (``TORCH_DISTRIBU
 import os
 import re
 
-from course.doctor.report import COST, Finding
+from course.doctor.report import COST, Finding, clip
 
 RTOL = 1e-6  # fingerprints of replicas agree to float rounding; every mistake looked for is far larger
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single")
@@ -100,7 +100,14 @@ def replicas(records: dict, facts) -> None:
         if not bad:
             continue
         where = f"{len(bad)} of {len(names)} parameters differ ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
-        if key[1] == 0:
+        if key[1] == 0 and all(records[r].get("ddp") for r in ranks):
+            facts.add(Finding("replicas-start", "The ranks start from different weights although the model is "
+                              "wrapped in DDP: they were changed on some ranks after DDP was built (DDP copies "
+                              "rank 0's weights to every rank only when it is built).",
+                              f"at the first training step {where} between ranks; every rank had built its "
+                              "DistributedDataParallel before", "change the weights before wrapping the model in "
+                              "DDP, or the same way on every rank (load a checkpoint on every rank)"))
+        elif key[1] == 0:
             facts.add(Finding("replicas-start", "The ranks start from different weights.",
                               f"at the first training step {where} between ranks",
                               "wrap the model in DistributedDataParallel, which copies rank 0's weights to "
@@ -138,15 +145,35 @@ def gradients(records: dict, facts) -> None:
                     "after the all-reduce"))
                 return
             every = len(bad) == len(g0["names"])
+            seen, fix = _why_not_averaged(records, g0)
             facts.add(Finding(
                 "grads-not-averaged", "The gradients are not averaged across ranks" + (
-                    ": every rank steps with its own." if every else f": {len(bad)} of {len(g0['names'])} "
-                    "parameters are left out of the averaging."),
+                    ": every rank steps with its own" if every else f": {len(bad)} of {len(g0['names'])} "
+                    "parameters are left out of the averaging") + seen,
                 f"before optimizer step {key[1]} the gradients of {', '.join(bad[:3])}"
-                f"{' ...' if len(bad) > 3 else ''} differ between ranks",
-                "wrap the model in DistributedDataParallel (or all_reduce every parameter's .grad and divide by "
-                "the world size)"))
+                f"{' ...' if len(bad) > 3 else ''} differ between ranks", fix))
             return
+
+
+def _why_not_averaged(records: dict, grads: dict) -> tuple:
+    """(the cause's sentence, the fix) for gradients that differ between ranks, from what DDP did."""
+    ddps = [rec.get("ddp") for rec in records.values()]
+    if not all(ddps):
+        return ".", ("wrap the model in DistributedDataParallel (or all_reduce every parameter's .grad and divide "
+                     "by the world size)")
+    trained = {m["class"] for rec in records.values() for m in rec.get("modules", [])}
+    if trained and "DistributedDataParallel" not in trained:
+        return ((f", although the model is wrapped in DDP: the training forward calls the inner model "
+                f"({', '.join(sorted(trained))}, e.g. model.module(x)), so DDP's gradient hooks never run."),
+                "call the DDP-wrapped model in training (model(x), not model.module(x))")
+    unused = [n for n, fp in zip(grads["names"], grads["fp"]) if fp is None]
+    if unused and not any(d["find_unused_parameters"] for d in ddps[0]):
+        return ((f", although the model is wrapped in DDP: {len(unused)} parameter(s) got no gradient "
+                f"({', '.join(unused[:3])}) and DDP, built with find_unused_parameters=False, waits for them, so "
+                "it never all-reduces their bucket (and fails at the next forward)."),
+                "build DDP with find_unused_parameters=True, or let every parameter take part in the loss")
+    return (", although the model is wrapped in DDP.", ("let DDP's backward run on every rank: no "
+            "model.no_sync() or require_backward_grad_sync=False on the step's last backward"))
 
 
 def _factors(per: dict, ranks: list, key, bad: list) -> dict:
@@ -210,6 +237,28 @@ def ddp_settings(records: dict, facts) -> None:
             "searches the graph after each forward for nothing.",
             f"{len(grads)} optimizer steps, no parameter without a gradient",
             "drop find_unused_parameters=True (it is for models that skip parameters in some steps)", kind=COST))
+
+
+def eval_through_ddp(records: dict, facts) -> None:
+    """Forwards without gradients through the DDP wrapper that broadcast its buffers (BatchNorm's running
+    statistics, broadcast_buffers=True) on some ranks only: a collective the other ranks never join."""
+    counts = {r: [e for e in rec.get("ddp_eval", []) if e["buffers"]] for r, rec in sorted(records.items())}
+    if not any(counts.values()):
+        return
+    if len({len(v) for v in counts.values()}) == 1:
+        facts.checked.append("evaluation through DDP (every rank broadcast the buffers as often)")
+        return
+    who = [r for r, v in counts.items() if v]
+    facts.add(Finding(
+        "eval-ddp-buffers", f"Rank {', '.join(map(str, who))} evaluates through the DDP wrapper alone: each of its "
+        "forwards broadcasts the model's buffers (BatchNorm's running statistics), a collective the other ranks do "
+        "not join, so it pairs with their training collectives until the job fails or hangs.",
+        "; ".join(f"rank {r}: {len(v)} forward(s) without gradients through DistributedDataParallel"
+                  + (f" (first at {v[0]['where']})" if v and v[0].get("where") else "")
+                  + (f", each broadcasting {v[0]['buffers']} buffer(s)" if v else "") for r, v in counts.items())
+        + " (broadcast_buffers=True)",
+        "evaluate through the inner model on that rank (model.module(x)), or on every rank; or build DDP with "
+        "broadcast_buffers=False"))
 
 
 def _stuck_line(r: int, rec: dict, stuck: dict) -> str:
@@ -297,5 +346,30 @@ def own_error(run, facts) -> None:
                       text)
     if match:
         facts.add(Finding("device-mismatch", "A tensor the model uses is on another device than the model.",
-                          match[0].strip()[:200], "move it with the model: register it as a buffer (self.register_buffer) "
+                          clip(match[0], 200), "move it with the model: register it as a buffer (self.register_buffer) "
                           "or create it with device=...; a loss's class weights go to the device too"))
+
+
+# A rank that aborts in a collective (a C++ exception: no Python traceback, no record) says why on one line.
+ABORT = re.compile(r"what\(\):\s*(?:\[enforce fail at [^\]]*\]\s*)?(.*)")
+MISMATCH = ("Is there a distributed collective mismatch", "Received data size doesn't match")
+
+
+def aborted(run) -> list:
+    """[(rank or None, message)] for the ranks that aborted inside the communication library (no record left):
+    the rank is the one without a record when exactly one is missing."""
+    found = [clip(m[1]) for m in ABORT.finditer(run.output or "")]
+    missing = sorted(set(range(run.job.nproc)) - set(run.records))
+    return [(missing[0] if len(missing) == 1 else None, text) for text in dict.fromkeys(found)]
+
+
+def aborted_mismatch(run, facts) -> None:
+    """gloo's own word that the ranks' collectives did not match (a rank aborted on it)."""
+    for rank, text in aborted(run):
+        if any(m in text for m in MISMATCH):
+            who = f"rank {rank}" if rank is not None else "a rank"
+            facts.add(Finding("collective-mismatch", "The ranks called different collectives at the same point.",
+                              f"{who} aborted in gloo: {text}", "every rank must call the same collectives in the "
+                              "same order, as often: look for one inside an `if` on the rank, or loops of "
+                              "different lengths (shards of different sizes)"))
+            return

@@ -12,13 +12,16 @@ show a data-parallel mistake, recorded per rank for the first ``MAX_STEPS`` opti
   drawn at its start), how many batches were taken, whether gradients were on (training) or off (evaluation),
   the sampler's class and ``DistributedSampler`` settings; ``COURSE_RECORD_STEPS=K`` cuts every pass (and the
   loader's length, which scripts use to count their steps) to K batches, so that a long epoch takes seconds,
-  while the whole pass is still recorded;
-- ``ddp``: each DistributedDataParallel's settings, entries into ``no_sync()``, ``Join`` contexts, threads.
+  while the whole pass is still recorded; with each pass, a fingerprint of the ``Subset`` split it reads
+  (``split``) and of a dataset held in tensors (``data``): ranks that split or draw the data each their own way;
+- ``ddp``: each DistributedDataParallel's settings, entries into ``no_sync()``, ``Join`` contexts, threads;
+  ``ddp_eval``: each forward through DDP without gradients, with the buffers it broadcast and the script's line.
 Imported by ``recorder.py`` by its plain name, so that it works beside a learner's own ``course`` package.
 """
 
 import itertools
 import os
+import sys
 
 import torch
 
@@ -142,6 +145,17 @@ def on_backward(loss) -> None:
                              "root": type(node).__name__ if node is not None else None})
 
 
+def _data_fp(dataset):
+    """A fingerprint of a dataset held in tensors (TensorDataset): equal on every rank that built the same data."""
+    tensors = getattr(dataset, "tensors", None)
+    if not isinstance(tensors, tuple) or not tensors or not isinstance(tensors[0], torch.Tensor):
+        return None
+    fps = state.setdefault("data", {})
+    if id(tensors[0]) not in fps:
+        fps[id(tensors[0])] = _fps([tensors[0]])[0]
+    return fps[id(tensors[0])]
+
+
 def _install_loaders():
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset
     from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -165,9 +179,10 @@ def _install_loaders():
             sampler = self.inner.sampler if isinstance(self.inner, BatchSampler) else self.inner
             flat = [int(i) for item in items for i in (item if isinstance(item, (list, tuple)) else [item])
                     if isinstance(i, int) or hasattr(i, "__index__")]
-            dataset, subset = self.loader.dataset, False
+            dataset, subset, split = self.loader.dataset, False, []
             while isinstance(dataset, Subset):  # a sample is known by its index in the underlying dataset
                 flat = [int(dataset.indices[i]) for i in flat]
+                split.append(hash((len(dataset.indices), *map(int, dataset.indices[:MAX_INDICES]))))
                 dataset, subset = dataset.dataset, True
             try:
                 size, base = len(self.loader.dataset), len(dataset)  # what one pass covers; the whole set
@@ -181,7 +196,8 @@ def _install_loaders():
                 "loader": id(self.loader), "dataset": type(dataset).__name__, "size": size, "base": base, "subset": subset,
                 "sampler": type(sampler).__name__, "distributed": dist_sampler, "train": torch.is_grad_enabled(),
                 "batches": len(items), "consumed": 0, "count": len(flat), "indices": flat[:MAX_INDICES],
-                "workers": self.loader.num_workers, "t": now(), "end": None, "step": state["steps"]})
+                "workers": self.loader.num_workers, "t": now(), "end": None, "step": state["steps"],
+                "split": hash(tuple(split)) if split else None, "data": _data_fp(dataset)})
             state["pass"] = record["loaders"][-1]
             if STEPS and len(items) > STEPS:  # cut: the pass (and the loader's length) ends after STEPS batches
                 record["loaders"][-1]["cut"] = STEPS
@@ -221,6 +237,14 @@ def _install_loaders():
     _BaseDataLoaderIter.__next__ = recorded_next
 
 
+def _script_line(script: str) -> str:
+    """file:line of the script's innermost frame on the stack, or ''."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != script:
+        frame = frame.f_back
+    return f"{os.path.basename(script)}:{frame.f_lineno}" if frame is not None else ""
+
+
 def _install_ddp():
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -234,6 +258,16 @@ def _install_ddp():
                               "t": now()})
 
     DDP.__init__ = recorded_init
+    forward = DDP.forward
+
+    def recorded_forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled() and len(record["ddp_eval"]) < 200:  # evaluation through the wrapper
+            record["ddp_eval"].append({"t": now(), "buffers": int(self.will_sync_module_buffers() and
+                                                                  len(self.modules_buffers)),
+                                       "where": _script_line(record.get("script", ""))})
+        return forward(self, *args, **kwargs)
+
+    DDP.forward = recorded_forward
     no_sync = DDP.no_sync
 
     def recorded_no_sync(self):
@@ -254,7 +288,8 @@ def install(rec: dict, clock) -> None:
     """Add the doctor's facts to ``rec`` (the recorder's record), timed with ``clock``."""
     global record, now
     record, now = rec, clock
-    rec.update(modules=[], params=[], forwards=[], grads=[], losses=[], loaders=[], ddp=[], no_sync=0, join=0,
+    rec.update(modules=[], params=[], forwards=[], grads=[], losses=[], loaders=[], ddp=[], ddp_eval=[],
+               no_sync=0, join=0,
                threads={"torch": torch.get_num_threads(), "cpus": os.cpu_count()}, max_steps=MAX_STEPS,
                steps_per_pass=STEPS)
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
