@@ -11,7 +11,16 @@ import pytest
 from conftest import wait_for_no_processes
 
 from course import ROOT
-from course.doctor import Facts, _own_failure, _still_running, cases, diagnose, rules_data, rules_sync
+from course.doctor import (
+    Facts,
+    _own_failure,
+    _still_running,
+    cases,
+    diagnose,
+    rules_data,
+    rules_ddp,
+    rules_sync,
+)
 from course.doctor.report import COST, Finding, Report, clip
 from course.doctor.running import Job, Run
 
@@ -181,13 +190,13 @@ def test_overlap_from_a_split_or_data_of_each_rank_names_that_cause():
 def test_evaluation_through_the_ddp_wrapper_on_one_rank_is_named():
     """Rank 0 alone runs no-grad forwards through DDP that broadcast buffers: named with its evidence."""
     evals = [{"t": 1.0, "buffers": 3, "where": "train.py:40"}] * 5
-    facts, codes = _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": []}})
+    facts, codes = _codes(rules_ddp.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": []}})
     assert codes == ["eval-ddp-buffers"] and facts.findings[0].lesson
     assert "rank 0: 5 forward(s)" in facts.findings[0].evidence and "train.py:40" in facts.findings[0].evidence
     assert "model.module" in facts.findings[0].fix
-    assert _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": evals}})[1] == []
+    assert _codes(rules_ddp.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": evals}})[1] == []
     no_buffers = [{"t": 1.0, "buffers": 0, "where": "x"}]  # nanoGPT's rank-0 estimate_loss: no collective
-    assert _codes(rules_sync.eval_through_ddp, {0: {"ddp_eval": no_buffers}, 1: {"ddp_eval": []}})[1] == []
+    assert _codes(rules_ddp.eval_through_ddp, {0: {"ddp_eval": no_buffers}, 1: {"ddp_eval": []}})[1] == []
 
 
 def _grad_records(ddp, cls="DistributedDataParallel", unused=False):

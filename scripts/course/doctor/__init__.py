@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course import RUNS
-from course.doctor import rules_data, rules_sync
+from course.doctor import rules_data, rules_ddp, rules_sync
 from course.doctor.report import COST, Finding, Report, clip
 from course.doctor.running import Job, Run, run
 
@@ -89,13 +89,13 @@ def diagnose(run: Run) -> Report:
             rules_data.sharding(records, facts)
             rules_sync.gradients(records, facts)
             rules_sync.replicas(records, facts)
-        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_sync.eval_through_ddp,
-                     rules_sync.accumulation, rules_sync.ddp_settings, rules_data.oversubscribed):
+        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_ddp.eval_through_ddp,
+                     rules_ddp.accumulation, rules_ddp.ddp_settings, rules_data.oversubscribed):
             rule(records, facts)
     elif records and any(rec.get("pg") for rec in records.values()):  # a rank left no record: what one rank shows
         lost = sorted(set(range(job.nproc)) - set(records))
         facts.unchecked.append(f"what compares the ranks (rank {', '.join(map(str, lost))} left no record)")
-        for rule in (rules_data.epoch_order, rules_sync.accumulation, rules_sync.ddp_settings):
+        for rule in (rules_data.epoch_order, rules_ddp.accumulation, rules_ddp.ddp_settings):
             rule(records, facts)
     if records:
         rules_data.writes(records, facts)
