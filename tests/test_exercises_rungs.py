@@ -164,6 +164,8 @@ def test_ex9_names_dropped_tokens_and_inputs_sent_back():
     dropped = [{**want, "y": want["y"].clone()} for want in ref]
     dropped[0]["y"][::3] = 0
     assert fails(ex9_experts.diagnose, dropped, ref).diagnosis == "dropped"
+    flat = [{**want, "y": want["y"].sum(1)} for want in ref]  # another shape: a plain difference, no crash of the check
+    assert fails(ex9_experts.diagnose, flat, ref).diagnosis == "outputs"
 
 
 # ------------------------------------------------------------------ the benchmark's classes

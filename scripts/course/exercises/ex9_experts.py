@@ -100,13 +100,17 @@ def diagnose(saved: list[dict], ref: list[dict], where: str = "") -> Verdict:
             if close(mine["y"], want["gate"][:, None] * want["x"]):
                 fail("combine-inputs", f"{where}rank {r}: every output is its token's own input times its gate: what "
                                        "came back from the combine were the tokens, not the expert's outputs.")
-            dropped = (mine["y"] == 0).all(1) & ~(want["y"] == 0).all(1)
+            dropped = ((mine["y"] == 0).all(1) & ~(want["y"] == 0).all(1) if mine["y"].shape == want["y"].shape
+                       else torch.zeros(0, dtype=torch.bool))  # another shape: not rows that are missing
             if dropped.any() and close(mine["y"][~dropped], want["y"][~dropped]):
                 fail("dropped", f"{where}rank {r}: {int(dropped.sum())} of its {len(dropped)} tokens have an output "
                                 "of zeros, and every other output is right: those tokens were dropped on the way.")
             if close(mine["y"], want["expert0"]):
                 fail("wrong-expert", f"{where}rank {r}: every output is expert 0's, also for the tokens routed to "
                                      "another expert: the tokens a rank receives went through another rank's expert.")
+            if mine["y"].shape != want["y"].shape:
+                fail("outputs", f"{where}rank {r}: the outputs have shape {tuple(mine['y'].shape)}, the one-process "
+                                f"layer's {tuple(want['y'].shape)}.")
             fail("outputs", f"{where}rank {r}: the outputs differ from the one-process layer's (largest difference "
                             f"{maxdiff(mine['y'], want['y']):.2g}).")
     for r, (mine, want) in enumerate(zip(saved, ref)):
