@@ -86,6 +86,7 @@ def timing(case: cases.Case, work: Path, repeats: int) -> dict:
     from course.doctor.running import style
     from course.hardware import accelerator
 
+    work.mkdir(parents=True, exist_ok=True)
     acc, count = accelerator()
     how = style(case.script, count if acc and acc != "mps" else 0, 2)
     try:
