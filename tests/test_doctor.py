@@ -275,13 +275,30 @@ def test_a_job_stopped_at_the_timeout_says_what_the_records_show():
 
 
 def test_an_accuracy_divided_by_one_ranks_share_is_hinted():
-    source = (ROOT / "tests/fixtures/doctor/outside_eval.py").read_text()
+    source = (ROOT / "tests/fixtures/doctor/outside_accuracy.py").read_text()
     share = {"total_size": 40, "num_replicas": 2, "rank": 0, "drop_last": False, "shuffle": False}
     records = {r: {"loaders": [_pass(range(r, 40, 2), 40, train=False, distributed=share)],
                    "collectives": [{"op": "all_reduce", "t": 1.0}]} for r in (0, 1)}
     hint = rules_data.divisor_hint(records, source)
     assert "len(val_sampler)" in hint and "20 of the 40" in hint and "2x too large" in hint, hint
-    fixed = source.replace("len(val_sampler)", "correct[1]")
+    fixed = source.replace("len(val_sampler)", "len(val)")
     assert rules_data.divisor_hint(records, fixed) == ""
     records[0]["collectives"] = records[1]["collectives"] = []  # nothing summed the counts: no hint
     assert rules_data.divisor_hint(records, source) == ""
+
+
+def test_outside_shapes_say_what_the_run_showed(outcomes):
+    """Launched: the rank that aborted on the mismatch comes first; rank-0 evaluation through DDP exits 1 and never
+    reads as a job in step; the accuracy divisor is a labelled hint; a cut error shows its cut."""
+    uneven = outcomes["outside-uneven-whole-passes"].report
+    assert "aborted" in uneven.error and "collective mismatch" in uneven.findings[0].evidence, uneven.text()
+    assert uneven.status == 1 and uneven.checked, uneven.text()
+    bn = outcomes["outside-bn-rank0-eval"].report
+    assert bn.status == 1 and "same collective" not in bn.error, bn.text()
+    assert "outside_eval.py:" in bn.findings[0].evidence, bn.text()
+    accuracy = outcomes["outside-accuracy-divisor"].report
+    assert any("len(val_sampler)" in h for h in accuracy.hints), accuracy.text()
+    assert "read from the source (a hint, not a finding): the script divides by len(val_sampler)" in accuracy.text()
+    assert not outcomes["outside-accuracy-fixed-tempfile"].report.hints
+    unused = outcomes["outside-unused-branch"].report
+    assert "Expected to have finished reduction" in unused.error and " …" in unused.error, unused.text()

@@ -145,6 +145,14 @@ def on_backward(loss) -> None:
                              "root": type(node).__name__ if node is not None else None})
 
 
+def _split_fp(subset) -> int:
+    """A fingerprint of a Subset's indices (once per Subset): equal on every rank that drew the same split."""
+    fps = state.setdefault("splits", {})
+    if id(subset) not in fps:
+        fps[id(subset)] = hash((len(subset.indices), *map(int, subset.indices[:MAX_INDICES])))
+    return fps[id(subset)]
+
+
 def _data_fp(dataset):
     """A fingerprint of a dataset held in tensors (TensorDataset): equal on every rank that built the same data."""
     tensors = getattr(dataset, "tensors", None)
@@ -182,7 +190,7 @@ def _install_loaders():
             dataset, subset, split = self.loader.dataset, False, []
             while isinstance(dataset, Subset):  # a sample is known by its index in the underlying dataset
                 flat = [int(dataset.indices[i]) for i in flat]
-                split.append(hash((len(dataset.indices), *map(int, dataset.indices[:MAX_INDICES]))))
+                split.append(_split_fp(dataset))
                 dataset, subset = dataset.dataset, True
             try:
                 size, base = len(self.loader.dataset), len(dataset)  # what one pass covers; the whole set
