@@ -231,7 +231,11 @@ def hangs(run, facts) -> bool:
             return False
         where = [_stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())]
     else:
-        where = [w for w in (_error_line(r, rec) for r, rec in sorted(run.records.items())) if w]
+        lines = {r: _error_line(r, rec) for r, rec in sorted(run.records.items())}
+        where = [w for w in lines.values() if w]
+        if where:  # a rank's wait timed out: where the others were then (the runner's stuck_rank<N>.json)
+            where += [_stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())
+                      if not lines.get(r)]
     if mismatch:
         facts.add(Finding("collective-mismatch", "The ranks called different collectives at the same point.",
                           mismatch + (" (" + "; ".join(where) + ")" if where else "") + " (flight recorder)",

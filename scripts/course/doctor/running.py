@@ -146,15 +146,18 @@ def _read(folder: Path, prefix: str) -> dict:
     return found
 
 
-def _failed(out: Path, seen: dict) -> bool:
-    """Whether a rank has ended by an error of its script (its record says so); ``seen``: records read so far."""
+def _ended(out: Path, seen: dict) -> dict:
+    """rank file -> whether that rank failed by an error of its script, for the ranks that have ended (their
+    record's last version says so); ``seen``: what was read, by file and modification time."""
     for f in out.glob("record_rank*.json"):
-        if f.name not in seen:
-            try:
-                seen[f.name] = any(e.get("in") == "script" for e in json.loads(f.read_text()).get("errors", []))
-            except (OSError, ValueError):
-                continue
-    return any(seen.values())
+        try:
+            stamp = f.stat().st_mtime_ns
+            if seen.get(f.name, (None,))[0] != stamp:
+                rec = json.loads(f.read_text())
+                seen[f.name] = (stamp, rec.get("ended"), any(e.get("in") == "script" for e in rec.get("errors", [])))
+        except (OSError, ValueError):
+            continue
+    return {name: failed for name, (_, ended, failed) in seen.items() if ended}
 
 
 def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.Event, why: list) -> None:
@@ -163,9 +166,10 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
     written by a rank whose collective timed out)."""
     deadline, seen, failed_at = time.monotonic() + job.timeout, {}, None
     while not done.wait(0.25):
-        if failed_at is None and _failed(out, seen):
+        ended = _ended(out, seen)
+        if failed_at is None and any(ended.values()):
             failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > 2 and len(seen) < job.nproc:
+        if failed_at is not None and time.monotonic() - failed_at > 2 and len(ended) < job.nproc:
             why.append("failed")
             break
         if time.monotonic() > deadline:

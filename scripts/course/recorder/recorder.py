@@ -186,7 +186,9 @@ def _name() -> str:
     return "parent" if LAUNCH == "spawn" and not CHILD else f"rank{rank()}"
 
 
-def _save_record():
+def _save_record(ended: bool = False):
+    """Write the record (``ended``: the process's last one, at its exit; else a hang's dump, the rank going on)."""
+    record["ended"] = ended
     record["fr"] = recorder_collectives.flight_recorder()
     record["seconds"] = now()
     record["rank"] = int(rank())
@@ -331,7 +333,7 @@ def main():
         import recorder_spawn
 
         recorder_spawn.install()
-    atexit.register(_save_record)
+    atexit.register(_save_record, True)
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as error:

@@ -50,7 +50,7 @@ def child(target, *args, **kwargs):
             return target(functools.partial(_as_rank, fn), index, *rest, **kwargs)
         return _as_rank(target, *args, **kwargs)
     finally:
-        recorder._save_record()
+        recorder._save_record(ended=True)
 
 
 def _as_rank(fn, *args, **kwargs):
