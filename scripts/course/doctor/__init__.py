@@ -17,8 +17,8 @@ stand-in), starting their own processes (``mp.spawn``: run once, as ``python scr
 With ``compare_batch_arg="--batch-size"`` it also runs 1 process with that argument's value (the global batch)
 and N processes with 1/N of it, and compares the first steps' losses (notebook 03's proof, on your script).
 
-What it finds is made from what the run did (``rules_data``, ``rules_sync``), never from reading the source
-alone: a hint read from the source is labelled as such. ``running`` launches, ``report`` formats.
+What it finds is made from what the run did (``rules_data``, ``rules_sync``, ``rules_ddp``), never from reading
+the source alone: a hint read from the source is labelled as such. ``running`` launches, ``report`` formats.
 """
 
 import os
