@@ -163,4 +163,5 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port:
         record["pg"].update(backend=str(dist.get_backend()), rank=dist.get_rank(), world_size=dist.get_world_size())
         return result
 
+    recorded_init.__wrapped__ = init
     dist.init_process_group = recorded_init

@@ -6,6 +6,7 @@ process group. A DataLoader's worker processes are left alone.
 """
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -40,8 +41,9 @@ def child(target, *args, **kwargs):
         threading.Thread(target=recorder._watch, args=(threading.main_thread().ident,), daemon=True).start()
     else:
         recorder._start()
-    _rebind_main()
     from torch.multiprocessing.spawn import _wrap
+
+    _rebind_main(args[0] if target is _wrap and args else target)
 
     try:
         if target is _wrap:  # torch's spawn: _wrap(fn, i, args, error_file) catches fn's error itself
@@ -61,22 +63,28 @@ def _as_rank(fn, *args, **kwargs):
         raise
 
 
-def _rebind_main() -> None:
+def _rebind_main(fn) -> None:
     """The script's module was imported again in this process before the wrappers were installed: names it
-    took with ``from torch.distributed import init_process_group`` get the wrappers."""
+    took with ``from torch.distributed import init_process_group`` get the wrappers (torch's function by that
+    name in ``torch.distributed``, ``torch.cuda`` or ``torch`` that is now the recorder's), in the module and in
+    the globals of the function the process runs (runpy ran the script in a namespace of its own)."""
     import types
 
     import torch
     import torch.distributed as dist
 
-    outer = {}
-    for owner in (dist, torch.cuda, torch):
-        for value in [v for v in vars(owner).values() if type(v) is types.FunctionType]:  # type(): no deprecation proxy warns
-            inner = getattr(value, "__wrapped__", None)
-            while inner is not None:
-                outer[id(inner)] = value
-                inner = getattr(inner, "__wrapped__", None)
-    for module in {id(m): m for m in (sys.modules.get("__mp_main__"), sys.modules.get("__main__")) if m}.values():
-        for name, value in list(vars(module).items()):
-            if id(value) in outer:
-                setattr(module, name, outer[id(value)])
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    spaces = [vars(m) for m in (sys.modules.get("__mp_main__"), sys.modules.get("__main__")) if m]
+    spaces.append(getattr(fn, "__globals__", {}))
+    for space in {id(d): d for d in spaces}.values():
+        for name, value in list(space.items()):
+            if type(value) is not types.FunctionType or not (value.__module__ or "").startswith("torch"):
+                continue
+            for owner in (dist, torch.cuda, torch):
+                now = vars(owner).get(value.__name__)
+                if type(now) is types.FunctionType and now is not value \
+                        and not now.__code__.co_filename.startswith(torch_dir):  # a wrapper (functools.wraps: no __module__)
+                    space[name] = now
+                    break
