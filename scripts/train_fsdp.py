@@ -33,14 +33,12 @@ from course.models import DEFAULT_MODEL, blocks, build_model
 from course.train_utils import (
     CourseError,
     StepTimer,
-    check_folder,
     check_writable,
     fail,
     number,
     pick_device_and_backend,
     record,
     save_json,
-    seed,
     write_manifest,
 )
 
@@ -58,7 +56,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=number(int, 0), default=64, help="samples per step, per process (DDP step 4)")
     parser.add_argument("--lr", type=number(float, 0.0), default=0.05)
     parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes")
-    parser.add_argument("--seed", type=seed, default=0)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=number(int, 0), default=10, help="steps between logged losses")
     parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")
     parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")
@@ -106,7 +104,7 @@ def main():
     try:  # DDP step 5: checked on every rank before the process group exists, so every rank stops
         train_set, val_set, num_classes = build_datasets(args.dataset, args.data_dir, args.image_size)
         check_writable(args.checkpoint / ".metadata")  # FSDP step 5: the folder, before any training
-        check_folder(args.run_dir)  # TensorBoard's and metrics.json's folder, too
+        check_writable(args.run_dir / "metrics.json", "the run directory")  # and TensorBoard's
     except (DatasetError, CourseError) as error:
         fail(error)
     writer = SummaryWriter(args.run_dir) if rank == 0 else None  # DDP step 5: TensorBoard events, one writer
@@ -188,7 +186,7 @@ def main():
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "step": step},
                  checkpoint_id=args.checkpoint)
-        dist.barrier()  # every rank's pieces on disk; then their checksums (DCP keeps none): sha256.json
+        dist.barrier()  # FSDP step 5: every rank's pieces on disk, then their checksums (DCP keeps none)
         if rank == 0:
             write_manifest(args.checkpoint)
         if step == args.max_steps:

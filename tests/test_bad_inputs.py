@@ -53,7 +53,6 @@ CASES = [
     ("train_fsdp", 2, ["--lr", "nan"], ["--lr", "finite"]),
     ("train_lm", 1, ["--seed", OVER_64_BITS], ["--seed", "<="]),
     ("train_2d", 4, ["--seed", OVER_64_BITS], ["--seed", "<="]),
-    ("train_fsdp", 2, ["--seed", OVER_64_BITS], ["--seed", "<="]),
     ("train_lm", 1, ["--n-layer", BIG], ["--n-layer", "needs about", "this machine has"]),
     ("train_lm", 1, ["--n-embd", BIG], ["--n-embd", "needs about", "this machine has"]),
     ("train_tp", 2, ["--n-embd", BIG], ["--n-embd", "needs about"]),
