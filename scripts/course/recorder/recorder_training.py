@@ -222,7 +222,11 @@ def _install_loaders():
     loader_iter = DataLoader.__iter__
 
     def recorded_loader_iter(loader):
+        before = len(record["loaders"])
         it = loader_iter(loader)
+        # With worker processes torch draws the sampler twice for one pass (the iterator's __init__, then _reset):
+        # the pass is the last draw, the one the iterator reads.
+        del record["loaders"][before:-1]
         it._course_pass = state.get("pass")
         return it
 
