@@ -46,6 +46,7 @@ from course.train_utils import (
     record,
     save_atomically,
     save_json,
+    seed,
 )
 
 NAME = Path(__file__).stem
@@ -76,7 +77,7 @@ def parse_args():
     parser.add_argument("--freeze-epochs", type=number(int, 0, False), default=0,
                         help="with --pretrained: train only the new head for this many epochs")
     parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes per rank")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--max-steps", type=number(int, 0, False), default=0, help="stop after this many optimizer steps")
     parser.add_argument("--log-every", type=number(int, 0), default=5, help="optimizer steps between logged losses")
     parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")

@@ -53,6 +53,8 @@ CASES = [
     ("train_fsdp", 2, ["--lr", "nan"], ["--lr", "finite"]),
     ("train_lm", 1, ["--seed", OVER_64_BITS], ["--seed", "<="]),
     ("train_2d", 4, ["--seed", OVER_64_BITS], ["--seed", "<="]),
+    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "<="]) for s, w in (("train_single", 1), ("train_ddp", 2),
+                                                                  ("train_fsdp", 2), ("train_flowers", 2))],
     ("train_lm", 1, ["--n-layer", BIG], ["--n-layer", "needs about", "this machine has"]),
     ("train_lm", 1, ["--n-embd", BIG], ["--n-embd", "needs about", "this machine has"]),
     ("train_tp", 2, ["--n-embd", BIG], ["--n-embd", "needs about"]),
