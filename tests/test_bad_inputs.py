@@ -19,6 +19,7 @@ from test_model_parallel_args import _dcp_folder, _Marker, no_process_group, run
 from course.args import LM_SEED_MAX, SEED_MAX, check_gpt_size, lm_seed, output_dir, seed, writable_file
 from course.dcp_check import MANIFEST, problem, unverified
 from course.launcher import launch
+from course.rundir import claim_run_dir
 from course.train_utils import CourseError, check_folder, check_writable, memory_bytes, number, write_manifest
 
 BIG = "1000000000"
@@ -70,6 +71,8 @@ CASES = [
     ("fsdp_checkpoint", None, ["{dcp}"], ["torchrun"]),
     ("dtensor_basics", None, [], ["torchrun"]),
     ("shard_memory", None, [], ["torchrun"]),
+    ("train_lm", 1, ["--run-dir", "{busy}"], ["--run-dir", "{busy}", "in use by a live run"]),
+    ("train_tp", 2, ["--run-dir", "{busy}"], ["--run-dir", "in use by a live run"]),
     ("fsdp_checkpoint", 1, ["{code}"], ["run code"]),
     ("fsdp_checkpoint", 1, ["{damaged}"], ["does not match its sha256"]),
     ("dcp_reshape", 1, ["--load", "{damaged}", "--dp", "1"], ["--load", "does not match its sha256"]),
@@ -88,15 +91,17 @@ def _damage_inside_a_piece(folder: Path) -> None:
 
 @pytest.fixture
 def places(tmp_path):
-    """{placeholder: path}: a file, a whole checkpoint, one whose .metadata runs code, one damaged inside."""
+    """{placeholder: path}: a file, a whole checkpoint, one whose .metadata runs code, one damaged inside, a run
+    directory a live run holds."""
     (tmp_path / "file").write_text("not a folder\n")
     code = _dcp_folder(tmp_path / "code")
     (code / ".metadata").write_bytes(pickle.dumps(_Marker(str(tmp_path / "ran"))))
     damaged = _dcp_folder(tmp_path / "damaged")
     write_manifest(damaged)
     _damage_inside_a_piece(damaged)
-    return {"{file}": tmp_path / "file", "{ckpt}": tmp_path / "ckpt", "{dcp}": _dcp_folder(tmp_path / "whole"),
-            "{code}": code, "{damaged}": damaged}
+    with claim_run_dir(tmp_path / "busy"):  # a live run holds it
+        yield {"{file}": tmp_path / "file", "{ckpt}": tmp_path / "ckpt", "{dcp}": _dcp_folder(tmp_path / "whole"),
+               "{code}": code, "{damaged}": damaged, "{busy}": tmp_path / "busy"}
 
 
 @pytest.mark.usefixtures("no_process_group")

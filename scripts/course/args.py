@@ -130,6 +130,19 @@ class JobParser(argparse.ArgumentParser):
                        f"torchrun --nproc-per-node=N {self.prog}")
         return int(os.environ["WORLD_SIZE"])
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, and a --run-dir that a live run holds is refused here, on every rank, before any
+        process group (under the course launcher, which claims it itself, there is nothing to look at)."""
+        from course.rundir import live_owner
+
+        parsed = super().parse_args(args, namespace)
+        run_dir = getattr(parsed, "run_dir", None)
+        staged = os.environ.get("COURSE_STAGED", "0") not in ("", "0")
+        if run_dir is not None and not staged and (owner := live_owner(in_repo(run_dir))):
+            self.error(f"argument --run-dir: {run_dir} is in use by a live run ({owner}); wait for it, stop it, "
+                       "or pass another --run-dir")
+        return parsed
+
     def error(self, message):
         if os.environ.get("RANK", "0") != "0":
             time.sleep(self.quiet_exit_after_s)

@@ -55,6 +55,23 @@ def owner_text() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
 
 
+def live_owner(run_dir: str | os.PathLike) -> str | None:
+    """Who holds ``run_dir`` now (a live run's owner text), or None: a look before a job starts, so that every
+    rank can refuse a busy run directory with one line before any process group (the claim stays the guard)."""
+    try:
+        theirs = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(theirs, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(theirs, fcntl.LOCK_UN)
+        return None  # a lock left by a run that is gone
+    except BlockingIOError:
+        return os.pread(theirs, 200, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(theirs)
+
+
 def claim_run_dir(run_dir: str | os.PathLike, attempts: int = 50) -> Claim:
     """Claim ``run_dir`` (created if needed) for this process; RunDirBusy if a live run holds it."""
     run_dir = Path(run_dir)
