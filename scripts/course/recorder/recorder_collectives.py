@@ -13,10 +13,12 @@ port ends in one line that says so. A collective that times out asks every rank 
 that a rank stuck outside any collective is named as soon as the hang is seen.
 """
 
+import glob
 import inspect
 import os
 import re
 import sys
+import time
 
 NAMES = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter",
          "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
@@ -78,12 +80,23 @@ class Handle:
 
 
 def on_error(error: BaseException, out: str) -> None:
-    """A wait that timed out (a hang): every rank writes where it is (recorder.py's watcher)."""
+    """A wait that timed out (a hang): every rank writes where it is (recorder.py's watcher). This rank stays
+    until they have, or had ended (10 s at most): once it exits, torchrun ends the others, and on a loaded machine a watcher
+    that polls every 0.25 s could be ended before it wrote."""
     if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
         try:
             open(os.path.join(out, "dump-now"), "a").close()
         except OSError:
-            pass
+            return
+        world, deadline = int(os.environ.get("WORLD_SIZE") or 1), time.monotonic() + 10
+        while time.monotonic() < deadline and len(_said(out)) < world:
+            time.sleep(0.1)
+
+
+def _said(out: str) -> set:
+    """The ranks that said where they are, or had ended (their last record)."""
+    files = glob.glob(os.path.join(out, "stuck_rank*.json")) + glob.glob(os.path.join(out, "record_rank*.json"))
+    return {os.path.basename(f).split("rank", 1)[1] for f in files}
 
 
 def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port: int = 0, out: str = "") -> None:
