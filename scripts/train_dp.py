@@ -33,6 +33,7 @@ from course.train_utils import (
     record,
     save_atomically,
     save_json,
+    seed,
 )
 
 NAME = Path(__file__).stem
@@ -49,7 +50,7 @@ def parse_args():
     parser.add_argument("--batch-size", type=number(int, 0), default=64, help="per step, all GPUs (DP)")
     parser.add_argument("--lr", type=number(float, 0.0), default=0.05)
     parser.add_argument("--workers", type=number(int, 0, False), default=0, help="DataLoader worker processes")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--log-every", type=number(int, 0), default=10, help="steps between logged losses")
     parser.add_argument("--warmup-steps", type=number(int, 0, False), default=3, help="first steps left out of samples/s")
     parser.add_argument("--run-dir", type=Path, default=Path("runs", NAME), help="TensorBoard events, metrics.json")

@@ -49,12 +49,12 @@ def parse_args():
     parser.add_argument("--save", type=writable_file, default=f"weights/{NAME}.pt",
                         help="the final weights ('' : not saved)")
     args = parser.parse_args()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would train its own copy into the same files
-        parser.error(f"torchrun --nproc-per-node: {NAME}.py is one process (train_tp.py, train_pp.py and train_2d.py "
-                     "split the model): run it with python, or --nproc-per-node=1")
     if args.n_embd % args.n_head:
         parser.error(f"argument --n-head: {args.n_head} does not divide --n-embd {args.n_embd} "
                      "(each head gets an equal share of the width)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would train its own copy into the same files
+        parser.error(f"torchrun --nproc-per-node: {NAME}.py is one process (train_tp.py, train_pp.py and train_2d.py "
+                     "split the model): run it with python, or --nproc-per-node=1")
     try:
         data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
     except DataError as error:

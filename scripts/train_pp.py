@@ -82,7 +82,7 @@ def parse_args():
         data = load_lm_data(args.data_dir, args.block_size, args.batch_size)
     except DataError as error:
         parser.error(f"argument {error.flag}: {error}")
-    check_gpt_size(parser, args, data, shards=world_size)  # before any allocation
+    check_gpt_size(parser, args, data, shards=world_size)  # PP step 2: a stage per rank; before any allocation
     return args, data
 
 
