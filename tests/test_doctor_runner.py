@@ -197,6 +197,22 @@ def test_a_script_that_spawns_its_own_processes_runs_once(tmp_path):
     assert [r.name for r in records] == ["record_rank0.json", "record_rank1.json"]  # 2 ranks, not 2 x 2
 
 
+def test_a_script_whose_helper_spawns_is_run_once_never_two_worlds(tmp_path):
+    """mp.spawn inside a helper module: the source of the script says nothing, so it first runs under torchrun;
+    each rank ends at the first process it would start, and the doctor runs it again as `python script.py`."""
+    script = _copy("hidden_spawn.py", tmp_path)
+    _copy("spawn_helper.py", tmp_path)
+    assert style(script, gpus=0, nproc=2)["launch"] == "torchrun"
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=120)
+    assert report.status == 0 and not report.findings and not report.error, report.text()
+    assert "started once" in report.command and "hidden_spawn.py:37" in report.command, report.command
+    first = [json.loads(r.read_text()) for r in sorted((tmp_path / "doctor" / "job").glob("record_rank*.json"))]
+    assert len(first) == 2 and all(e["in"] == "spawn" for r in first for e in r["errors"]), first
+    records = sorted((tmp_path / "doctor" / "job-spawn").glob("record_rank*.json"))
+    assert [r.name for r in records] == ["record_rank0.json", "record_rank1.json"]  # 2 ranks, not 2 x 2
+    assert report.seconds < 100, report.text()
+
+
 def test_a_launch_style_script_with_tcp_init_is_clean(tmp_path):
     """--local_rank given as torch.distributed.launch gave it; init_method="tcp://..." with its own port;
     autocast("cuda") and GradScaler("cuda"); a correct script: no finding."""

@@ -258,8 +258,14 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
             job.steps = 0
             n_run = run(job, work / "job-uncut", on_line=on_line, files=work / "files")
+        spawned = _spawned(n_run)
+        if spawned:  # a rank started processes of its own (code the doctor did not read): as its author runs it
+            job.launch, job.nodes = "spawn", 1
+            n_run = run(job, work / "job-spawn", on_line=on_line, files=work / "files")
         report = diagnose(n_run)
         _how_it_ran(n_run, report)
+        if spawned:
+            report.command += f" (under torchrun its ranks started processes of their own at {spawned})"
         if compare_batch_arg and not report.error:
             _compare(job, compare_batch_arg, work, report, n_run)
         report.seconds = time.monotonic() - start
@@ -278,6 +284,12 @@ def doctor_folder(script: Path) -> Path:
 
     path = Path(script).expanduser().resolve()
     return RUNS / "doctor" / f"{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def _spawned(run: Run) -> str:
+    """Where a rank under torchrun started processes of its own (the recorder ended it there), or ""."""
+    return next((e.get("where") or "?" for r in run.records.values() for e in r.get("errors", [])
+                 if e.get("in") == "spawn"), "") if run.job.launch != "spawn" else ""
 
 
 def _how_it_ran(run: Run, report: Report) -> None:

@@ -154,7 +154,8 @@ def _ended(out: Path, seen: dict) -> dict:
             stamp = f.stat().st_mtime_ns
             if seen.get(f.name, (None,))[0] != stamp:
                 rec = json.loads(f.read_text())
-                seen[f.name] = (stamp, rec.get("ended"), any(e.get("in") == "script" for e in rec.get("errors", [])))
+                seen[f.name] = (stamp, rec.get("ended"), any(e.get("in") in ("script", "spawn")
+                                                            for e in rec.get("errors", [])))
         except (OSError, ValueError):
             continue
     return {name: failed for name, (_, ended, failed) in seen.items() if ended}

@@ -328,11 +328,10 @@ def main():
     here = sys.path[0]
     _start()
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as when the script runs by itself
-    if LAUNCH == "spawn":
-        sys.path.append(here)  # a spawned process unpickles its target from ``recorder_spawn``
-        import recorder_spawn
+    sys.path.append(here)  # a spawned process unpickles its target from ``recorder_spawn``
+    import recorder_spawn
 
-        recorder_spawn.install()
+    recorder_spawn.install() if LAUNCH == "spawn" else recorder_spawn.guard()  # never two worlds at once
     atexit.register(_save_record, True)
     try:
         runpy.run_path(script, run_name="__main__")

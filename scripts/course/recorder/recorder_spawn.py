@@ -3,6 +3,10 @@
 every process it starts (``torch.multiprocessing.spawn``/``start_processes`` start theirs through
 ``multiprocessing.Process`` too) runs its target under ``child``: recorded as a rank, whose number comes from its
 process group. A DataLoader's worker processes are left alone.
+
+Under torchrun (``guard``), a rank that starts processes of its own (``mp.spawn`` reached through code the doctor
+did not read, such as a helper module) would make a second world inside the first: the rank ends at once instead,
+its record saying so (``errors``: ``in: "spawn"``), and the doctor runs the script again, once, as its author does.
 """
 
 import functools
@@ -26,6 +30,35 @@ def install() -> None:
         init(self, group, target, name, args, kwargs or {}, daemon=daemon)
 
     multiprocessing.process.BaseProcess.__init__ = recorded
+
+
+SPAWN_UNDER_TORCHRUN = "starts its own processes"
+
+
+def guard() -> None:
+    """Under torchrun: a rank whose script starts a process running the script's own function (``mp.spawn``,
+    ``start_processes``, ``multiprocessing.Process(target=...)``) ends before that process exists."""
+    import multiprocessing.process
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def guarded(self):
+        target = getattr(self, "_target", None)
+        fn = target
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        from torch.multiprocessing.spawn import _wrap
+
+        if fn is _wrap or getattr(fn, "__module__", "") in ("__main__", "__mp_main__"):
+            recorder.record["errors"].append({"in": "spawn", "t": recorder.now(), "where": recorder.where(),
+                                              "error": SPAWN_UNDER_TORCHRUN})
+            recorder._save_record(ended=True)
+            print(f"recorder: the script {SPAWN_UNDER_TORCHRUN} ({recorder.where()}): this rank ends before "
+                  "they start", file=sys.stderr, flush=True)
+            os._exit(3)
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = guarded
 
 
 def child(target, *args, **kwargs):
