@@ -270,16 +270,22 @@ CALLER = ("import sys\nfrom course.launcher import launch\n"
           "launch(sys.argv[1], nproc=2, args=['--max-steps', '600', '--step-seconds', '0.1'], timeout=300)\n")
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_killing_the_caller_ends_the_whole_job(how, wait_until):
+@pytest.mark.parametrize("how,psutil_there", [(signal.SIGTERM, True), (signal.SIGKILL, True), (signal.SIGKILL, False)],
+                         ids=["SIGTERM", "SIGKILL", "SIGKILL-without-psutil"])
+def test_killing_the_caller_ends_the_whole_job(how, psutil_there, wait_until, tmp_path):
+    """Without psutil (the doctor taken home), the caller and its watchdog read the process table themselves."""
     import subprocess
     import threading
 
     import psutil
 
     slow = str(ROOT / "tests" / "fixtures" / "slow_ranks.py")
+    env = dict(os.environ)
+    if not psutil_there:
+        (tmp_path / "psutil.py").write_text("raise ImportError('psutil is not installed here')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     caller = subprocess.Popen([sys.executable, "-c", CALLER, slow], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, env=env)
     seen, job = [], []
     threading.Thread(target=lambda: seen.extend(caller.stdout), daemon=True).start()
     try:
@@ -305,6 +311,39 @@ def test_killing_the_caller_ends_the_whole_job(how, wait_until):
                 proc.kill()
             except psutil.Error:
                 pass
+
+
+def test_the_process_table_without_psutil_agrees_with_psutil():
+    """course.launcher.procinfo (used where psutil is not installed) sees the same tree, creation times and
+    zombies as psutil, and never signals a process that has ended."""
+    import psutil
+
+    from course.launcher import procinfo
+
+    tree = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(tree.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        me, theirs = procinfo.Process(), psutil.Process()
+        assert abs(me.create_time() - theirs.create_time()) < 0.05
+        ours = sorted(p.pid for p in me.children(recursive=True))
+        assert ours == sorted(p.pid for p in theirs.children(recursive=True)) and len(ours) >= 2, ours
+        child = procinfo.Process(tree.pid)
+        assert child.is_running() and child.status() != procinfo.STATUS_ZOMBIE
+        grandchild = child.children()[0]
+        grandchild.kill()
+        time.sleep(0.5)
+        assert procinfo.Process(grandchild.pid).status() == procinfo.STATUS_ZOMBIE  # its parent has not reaped it
+        child.terminate()
+        tree.wait(10)
+        assert not child.is_running()
+        with pytest.raises(procinfo.NoSuchProcess):
+            child.kill()
+    finally:
+        tree.kill()
+        tree.wait()
 
 
 KILLED_WHILE_WRITING = """
