@@ -205,7 +205,7 @@ def test_a_script_whose_helper_spawns_is_run_once_never_two_worlds(tmp_path):
     assert style(script, gpus=0, nproc=2)["launch"] == "torchrun"
     report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=120)
     assert report.status == 0 and not report.findings and not report.error, report.text()
-    assert "started once" in report.command and "hidden_spawn.py:37" in report.command, report.command
+    assert "started once" in report.command and "hidden_spawn.py:36" in report.command, report.command
     first = [json.loads(r.read_text()) for r in sorted((tmp_path / "doctor" / "job").glob("record_rank*.json"))]
     assert len(first) == 2 and all(e["in"] == "spawn" for r in first for e in r["errors"]), first
     records = sorted((tmp_path / "doctor" / "job-spawn").glob("record_rank*.json"))

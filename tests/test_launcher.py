@@ -320,8 +320,8 @@ def test_the_process_table_without_psutil_agrees_with_psutil():
 
     from course.launcher import procinfo
 
-    tree = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    tree = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
     try:
         deadline = time.monotonic() + 30
         while not psutil.Process(tree.pid).children() and time.monotonic() < deadline:

@@ -46,8 +46,8 @@ def _ps(pid: int | None = None) -> dict:
     """pid -> (ppid, state letter, creation time) from ``ps`` (one process, or all)."""
     which = ["-p", str(pid)] if pid else ["-A"]
     try:
-        out = subprocess.run(["ps", *which, "-o", "pid=,ppid=,stat=,lstart="], capture_output=True, text=True,
-                             env={**os.environ, "LC_ALL": "C"}, timeout=10).stdout
+        out = subprocess.run(["ps", *which, "-o", "pid=,ppid=,stat=,lstart="], check=False, capture_output=True,
+                             text=True, env={**os.environ, "LC_ALL": "C"}, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     table = {}
