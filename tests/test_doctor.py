@@ -232,6 +232,27 @@ def test_a_folder_is_never_a_file_written_by_several_ranks(tmp_path):
     assert _codes(rules_data.writes, {r: {"writes": [shared], "env": {}} for r in (0, 1)})[1] == ["rank-writes"]
 
 
+def test_saving_on_each_nodes_local_rank_0_is_not_called_a_mistake(tmp_path):
+    """The tutorial series' torchrun scripts save `if self.gpu_id == 0` (LOCAL_RANK): on the doctor's simulated
+    nodes both first processes write; right on one node, so said as what the run cannot tell. A script that does not
+    gate on LOCAL_RANK, or writers that are not each node's first process, stay a mistake."""
+    shared = str(tmp_path / "snapshot.pt")
+    nodes = {r: {"writes": [shared], "env": {"LOCAL_RANK": "0", "GROUP_RANK": str(r)}} for r in (0, 1)}
+
+    def codes(records, source):
+        facts = Facts("/")
+        rules_data.writes(records, facts)
+        rules_data.node_local_writes(records, source, facts)
+        return facts, [f.code for f in facts.findings]
+
+    facts, found = codes(nodes, "if self.gpu_id == 0 and epoch % self.save_every == 0:\n")
+    assert found == [] and any("share a filesystem" in u and "snapshot.pt" in u for u in facts.unchecked), facts
+    assert codes(nodes, 'if int(os.environ["LOCAL_RANK"]) == 0:\n')[1] == []
+    assert codes(nodes, "torch.save(model.state_dict(), 'snapshot.pt')\n")[1] == ["rank-writes"]
+    one_node = {r: {"writes": [shared], "env": {"LOCAL_RANK": str(r), "GROUP_RANK": "0"}} for r in (0, 1)}
+    assert codes(one_node, "if local_rank == 0:\n")[1] == ["rank-writes"]
+
+
 def test_a_cut_error_shows_its_cut():
     text = "RuntimeError: Expected to have finished reduction in the prior iteration " * 5
     cut = clip(text[:300])

@@ -99,6 +99,7 @@ def diagnose(run: Run) -> Report:
             rule(records, facts)
     if records:
         rules_data.writes(records, facts)
+        rules_data.node_local_writes(records, _source(job.script), facts)
     rules_sync.aborted_mismatch(run, facts)
     rules_sync.own_error(run, facts)
     if run.returncode not in (0, None) and not hung and not report.error:
@@ -158,11 +159,17 @@ def _still_running(run: Run) -> str:
     return "; ".join(said)
 
 
+def _source(script: Path) -> str:
+    try:
+        return script.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _hints(script: Path, facts: Facts, records: dict | None = None) -> list:
     """What the source suggests where the run could not tell (never a finding on its own)."""
-    try:
-        source = script.read_text()
-    except OSError:
+    source = _source(script)
+    if not source:
         return []
     hints = []
     if any("order from epoch" in u for u in facts.unchecked) and "DistributedSampler" in source \

@@ -262,6 +262,26 @@ def writes(records: dict, facts) -> None:
             + _local_rank_hint(records)))
 
 
+LOCAL_ZERO = re.compile(r"(?i)\b(local_rank|gpu_id)\W{0,4}==\s*0\b")  # `if self.gpu_id == 0:` (the tutorials' name)
+
+
+def node_local_writes(records: dict, source: str, facts) -> None:
+    """Files that each simulated node's LOCAL_RANK 0 wrote, from a script that saves where LOCAL_RANK is 0 (read
+    from its source): right on one node or with node-local disks, wrong on nodes sharing a filesystem. The run
+    cannot tell which the learner has: said as unchecked, not as a mistake."""
+    found = next((f for f in facts.findings if f.code == "rank-writes"), None)
+    nodes = {rec["env"].get("GROUP_RANK") for rec in records.values()}
+    if found is None or len(nodes) < 2 or not LOCAL_ZERO.search(source) \
+            or any((rec["env"].get("LOCAL_RANK") or "0") != "0" for rec in records.values() if rec.get("writes")):
+        return
+    facts.findings.remove(found)
+    facts.unchecked.append(
+        f"whether your nodes share a filesystem: the script saves where LOCAL_RANK is 0 (read from its source), so "
+        f"the first process of each of the doctor's {len(nodes)} simulated nodes wrote the same files "
+        f"({found.evidence.removeprefix('written by ')}): right on one node or with node-local disks; on nodes "
+        "sharing a filesystem they overwrite each other (save on RANK 0 there)")
+
+
 def oversubscribed(records: dict, facts) -> None:
     """CPU ranks: threads x processes + DataLoader workers against the cores."""
     rec = records[min(records)]
