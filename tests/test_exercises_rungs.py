@@ -164,8 +164,9 @@ def test_ex9_names_dropped_tokens_and_inputs_sent_back():
     dropped = [{**want, "y": want["y"].clone()} for want in ref]
     dropped[0]["y"][::3] = 0
     assert fails(ex9_experts.diagnose, dropped, ref).diagnosis == "dropped"
-    flat = [{**want, "y": want["y"].sum(1)} for want in ref]  # another shape: a plain difference, no crash of the check
-    assert fails(ex9_experts.diagnose, flat, ref).diagnosis == "outputs"
+    flat = [{**want, "y": want["y"].sum(1)} for want in ref]  # another shape, no crash of the check: named as a shape
+    assert fails(ex9_experts.diagnose, flat, ref).diagnosis == "out-shape"
+    assert crashes.kind("ValueError: Expected input batch_size (192) to match target batch_size (64).") == "crash-shape"
 
 
 # ------------------------------------------------------------------ the benchmark's classes

@@ -18,7 +18,8 @@ KINDS = (  # (diagnosis, pattern over the error line): the first that matches na
                    r"time|leaf Variable that requires grad")),
     ("crash-device", r"device_ids|same device|\bCUDA\b|\bcuda\b|\bnccl\b|NCCL|No backend type associated"),
     ("crash-shape", (r"size mismatch|cannot be multiplied|must match the size|shape '\[.*\]' is invalid|Sizes of "
-                    r"tensors must match|broadcast shape|mat1 and mat2|[Ee]xpected size|nbytes|size of tensor")),
+                    r"tensors must match|broadcast shape|mat1 and mat2|[Ee]xpected size|nbytes|size of tensor|"
+                    r"[Ee]xpected input batch_size|to match target")),  # a loss given inputs and targets of other sizes
 )
 
 

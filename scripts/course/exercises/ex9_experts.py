@@ -109,8 +109,9 @@ def diagnose(saved: list[dict], ref: list[dict], where: str = "") -> Verdict:
                 fail("wrong-expert", f"{where}rank {r}: every output is expert 0's, also for the tokens routed to "
                                      "another expert: the tokens a rank receives went through another rank's expert.")
             if mine["y"].shape != want["y"].shape:
-                fail("outputs", f"{where}rank {r}: the outputs have shape {tuple(mine['y'].shape)}, the one-process "
-                                f"layer's {tuple(want['y'].shape)}.")
+                fail("out-shape", f"{where}rank {r}: the outputs have shape {tuple(mine['y'].shape)}, the "
+                                  f"one-process layer's {tuple(want['y'].shape)} (one row per token, as many "
+                                  "features as the tokens).")
             fail("outputs", f"{where}rank {r}: the outputs differ from the one-process layer's (largest difference "
                             f"{maxdiff(mine['y'], want['y']):.2g}).")
     for r, (mine, want) in enumerate(zip(saved, ref)):
@@ -195,6 +196,12 @@ HINTS = {
         "The tokens a rank received went through another rank's expert.",
         "Rank r holds expert r: which expert does your line run on `received`?",
         "done = moe.experts[rank](received)"],
+    "out-shape": [
+        ("The layer's outputs have another shape than its tokens (one row per token, the tokens' features): a "
+         "product or a sum on the way changed it, without an error."),
+        ("Print the .shape of each tensor from `received` to the returned value. Which line makes it differ from "
+         "x.shape? A (tokens,) gate against (tokens, features) outputs needs an axis to broadcast over the features."),
+        "return gate[:, None] * out"],
     "outputs": [
         "The outputs differ from the one-process layer's: look at what each rank sends and to whom.",
         ("send[j] must count the tokens whose expert is j (torch.bincount with minlength=world_size), and the "

@@ -85,7 +85,8 @@ EX8 = [
 
 # exercise 9: a crash, dropped tokens, inputs sent back
 EX9 = [
-    Case("9", "gates not broadcast over the features", "crash-shape",
+    # Written as a crash; it does not crash (a (d,) output, no error): the shape of the outputs is the kind to name.
+    Case("9", "gates not broadcast over the features", "out-shape",
          (("    return gate[:, None] * out", "    return (gate * out.T).T.sum(0)"),), group=H),
     Case("9", "only the tokens of this rank's expert kept", "dropped",
          (("    out = torch.empty_like(back).index_copy(0, order, back)",
