@@ -33,7 +33,10 @@ def flight_recorder(limit: int = 2000) -> list[dict]:
 
         import torch
 
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        # Without stack traces: none is kept, and symbolizing them imported torch._dynamo and torch._inductor
+        # (about 1.4 s of CPU in every rank, at its exit).
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True,
+                                                                      includeStackTraces=False))
     except Exception:  # noqa: BLE001 - no process group, or a build without it: nothing to add
         return []
     keep = ("profiling_name", "collective_seq_id", "p2p_seq_id", "time_created_ns", "input_sizes", "state",
