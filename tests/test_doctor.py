@@ -323,3 +323,14 @@ def test_outside_shapes_say_what_the_run_showed(outcomes):
     assert not outcomes["outside-accuracy-fixed-tempfile"].report.hints
     unused = outcomes["outside-unused-branch"].report
     assert "Expected to have finished reduction" in unused.error and " …" in unused.error, unused.text()
+
+
+def test_the_cost_benchmark_times_the_doctor_three_ways():
+    """course.bench_doctor's cost: plain on one node, plain on the doctor's 2 nodes, the doctor; one round here
+    (make bench runs 5), so no verdict."""
+    from course import bench_doctor
+
+    cost = bench_doctor.overhead("tests/fixtures/doctor/startup_only.py", [], repeats=1, warmup=0)
+    assert set(cost["median"]) == {"plain", "plain 2 nodes", "doctor"} and cost["plain_s"] > 0, cost
+    assert cost["added_s"] == round(cost["median"]["doctor"] - cost["median"]["plain"], 2)
+    assert "too few to decide" in cost["verdict"] and "too few to decide" in cost["verdict_whole"], cost
