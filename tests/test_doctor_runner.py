@@ -213,6 +213,17 @@ def test_a_script_whose_helper_spawns_is_run_once_never_two_worlds(tmp_path):
     assert report.seconds < 100, report.text()
 
 
+def test_forked_processes_are_recorded_as_ranks(tmp_path):
+    """multiprocessing's fork context: each child is a copy of the recorded parent; its record starts afresh and
+    the real mistake is found from both ranks."""
+    script = _copy("fork_workers.py", tmp_path)
+    report = check(script, cwd=tmp_path, folder=tmp_path / "doctor", show=False, timeout=120)
+    assert report.status == 1 and [f.code for f in report.mistakes] == ["set-epoch"], report.text()
+    assert "started once" in report.command, report.command
+    records = [json.loads(r.read_text()) for r in sorted((tmp_path / "doctor" / "job").glob("record_rank*.json"))]
+    assert [r["rank"] for r in records] == [0, 1] and all(len(r["samplers"]) == 2 for r in records), records
+
+
 def test_a_launch_style_script_with_tcp_init_is_clean(tmp_path):
     """--local_rank given as torch.distributed.launch gave it; init_method="tcp://..." with its own port;
     autocast("cuda") and GradScaler("cuda"); a correct script: no finding."""
