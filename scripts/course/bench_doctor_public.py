@@ -1,6 +1,6 @@
 """Benchmark: the DDP doctor on scripts in the shapes of widely copied public DDP code (issue 41 item 6).
 
-    python -m course.bench_doctor_public [--timing-repeats 1]        (or: make bench)
+    python -m course.bench_doctor_public [--timing-repeats 5]        (or: make bench)
 
 The set is tests/fixtures/doctor_public/cases.json: scripts written for the course in the shapes of the PyTorch DDP
 tutorial series, the pytorch.org DDP tutorial, the source article's train_multi_GPU, nanoGPT's train.py,
@@ -117,7 +117,7 @@ def accuracy_of(chosen: list, work: Path) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timing-repeats", type=nonnegative_int, default=1,
+    parser.add_argument("--timing-repeats", type=nonnegative_int, default=5,
                         help="interleaved rounds of doctor and plain run per fixed script (0: no timing)")
     parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
                         help="run every chosen case once for recall and false alarms")
