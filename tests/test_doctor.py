@@ -253,6 +253,18 @@ def test_saving_on_each_nodes_local_rank_0_is_not_called_a_mistake(tmp_path):
     assert codes(one_node, "if local_rank == 0:\n")[1] == ["rank-writes"]
 
 
+def test_a_peek_at_one_batch_before_set_epoch_is_not_an_epoch():
+    """The DDP tutorial series' multigpu.py reads next(iter(loader)) for the batch size before set_epoch: that
+    one-batch pass repeats the previous epoch's order, and is not an epoch. Two whole passes in the same order are."""
+    dist = lambda epoch: {"epoch": epoch, "shuffle": True, "num_replicas": 2, "rank": 0, "total_size": 10}
+    order = {0: [3, 1, 4, 0, 2], 1: [2, 0, 4, 1, 3]}
+    peeked = [_pass(order[0], 10, distributed=dist(0), consumed=1), _pass(order[0], 10, distributed=dist(0), consumed=5),
+              _pass(order[0], 10, distributed=dist(0), consumed=1), _pass(order[1], 10, distributed=dist(1), consumed=5)]
+    assert _codes(rules_data.epoch_order, _records(peeked))[1] == []
+    same = [_pass(order[0], 10, distributed=dist(0), consumed=5) for _ in range(2)]
+    assert _codes(rules_data.epoch_order, _records(same))[1] == ["set-epoch"]
+
+
 def test_a_cut_error_shows_its_cut():
     text = "RuntimeError: Expected to have finished reduction in the prior iteration " * 5
     cut = clip(text[:300])

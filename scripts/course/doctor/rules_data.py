@@ -136,11 +136,17 @@ def _inputs(records: dict, facts) -> None:
             "rank)"))
 
 
+def _peek(p: dict) -> bool:
+    """A pass that read one batch of several (``next(iter(loader))`` to see a batch's size, as the DDP tutorial
+    series' ``_run_epoch`` does before ``set_epoch``): not an epoch."""
+    return "consumed" in p and p["consumed"] <= 1 < min(p["batches"], p.get("cut") or p["batches"])
+
+
 def epoch_order(records: dict, facts) -> None:
     """A shuffled sampler must give each epoch a new order (DistributedSampler: set_epoch before the loop)."""
     checked = False
     for r in sorted(records):
-        for group in by_loader(records[r], True):
+        for group in ([p for p in g if not _peek(p)] for g in by_loader(records[r], True)):
             if len(group) < 2 or group[0]["sampler"] not in SHUFFLED:
                 continue
             if group[0]["distributed"] and not group[0]["distributed"]["shuffle"]:
