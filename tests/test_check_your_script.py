@@ -100,6 +100,27 @@ def test_the_model_answer_and_its_diff_stay_hidden_until_asked(monkeypatch):
     assert len(shown) == 1 and shown[0].steps == {1, 2, 3}
 
 
+def test_the_doctors_fixes_stay_hidden_until_asked():
+    """Review T5: 09b's check showed each fix word for word, so the task was transcription. The check cell now
+    passes fixes=SHOW_FIXES (False as committed): the evidence and the lesson show, the fix does not, in the
+    notebook's table and in text; True shows them."""
+    from course.doctor.report import HIDDEN
+
+    cell = code_cell('check("../scripts/doctor_patient.py"').source
+    calls = []
+    run_cell(cell, check=lambda *a, **k: calls.append(k))
+    assert calls == [{"cwd": "..", "fixes": False}]
+    run_cell(cell.replace("SHOW_FIXES = False", "SHOW_FIXES = True"), check=lambda *a, **k: calls.append(k))
+    assert calls[-1]["fixes"] is True
+    finding = Finding("set-epoch", "the same order every epoch", "rank 0: epochs 0 and 1 equal",
+                      "call sampler.set_epoch(epoch)")
+    shown = Report("doctor_patient.py", "2 processes", findings=[finding])
+    for hidden, full in ((shown.html(False), shown.html()), (shown.text(False), shown.text())):
+        assert "set_epoch" not in hidden and "epochs 0 and 1 equal" in hidden and "notebook 04" in hidden
+        assert "fixes=True" in hidden and "call sampler.set_epoch(epoch)" in full
+    assert HIDDEN not in shown.text()
+
+
 def test_the_quiz_asks_numbers_a_learner_can_predict_and_its_key_passes(monkeypatch):
     """Question 1 once asked for a finding code that no output of 09b shows; every answer is now a number or a
     yes/no, checked against what the cell computes."""

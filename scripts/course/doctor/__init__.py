@@ -227,11 +227,12 @@ def _arg_index(args: list, name: str) -> int:
 
 def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None, timeout: float = 180,
           hang_after: float = 30, steps: int = 8, compare_batch_arg: str | None = None, cwd=None,
-          folder=None, show: bool = True, on_line=None) -> Report:
+          folder=None, show: bool = True, fixes: bool = True, on_line=None) -> Report:
     """Run the doctor on ``script`` (see the module's docstring); show and return the report.
     cwd: the script's working directory (default: this process's); folder: where the records, the report and
     the files the run created go (default runs/doctor/<script name>-<key of its path>; claimed: one doctor run
-    at a time). Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad
+    at a time); fixes=False: the report shown hides each finding's fix (a diagnosis exercise; report.txt keeps
+    it). Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad
     argument; RunDirBusy when another doctor is checking the same script."""
     from course.doctor.running import style
     from course.hardware import accelerator
@@ -280,7 +281,7 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         (work / "report.json").write_text(report.to_json())
         publish(folder, work)
     if show:
-        _show(report)
+        _show(report, fixes)
     return report
 
 
@@ -320,12 +321,12 @@ def _how_it_ran(run: Run, report: Report) -> None:
             f"could not restore {len(run.lost)} file(s): {', '.join(run.lost[:4])}"
 
 
-def _show(report: Report) -> None:
+def _show(report: Report, fixes: bool = True) -> None:
     from course.notebook import in_notebook
 
     if in_notebook():
         from IPython.display import HTML, display
 
-        display(HTML(report.html()))
+        display(HTML(report.html(fixes)))
     else:
-        print(report.text(), flush=True)
+        print(report.text(fixes), flush=True)

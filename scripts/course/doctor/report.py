@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 MISTAKE, COST = "mistake", "cost"
+HIDDEN = "(hidden: find it from the evidence; check(..., fixes=True) shows it)"  # a diagnosis exercise (09b)
 LESSONS = {  # where the course teaches each finding
     "not-distributed": "notebook 03, step 1", "same-device": "notebook 04, pitfall 1",
     "local-rank": "notebook 04, pitfall 6", "not-sharded": "notebook 03, step 4",
@@ -44,9 +45,9 @@ class Finding:
     def lesson(self) -> str:
         return LESSONS.get(self.code, "")
 
-    def line(self) -> str:
+    def line(self, fix: bool = True) -> str:
         mark = "cost" if self.kind == COST else "mistake"
-        return (f"{mark} [{self.code}] {self.seen} Evidence: {self.evidence}. Fix: {self.fix}"
+        return (f"{mark} [{self.code}] {self.seen} Evidence: {self.evidence}. Fix: {self.fix if fix else HIDDEN}"
                 + (f" ({self.lesson})" if self.lesson else ""))
 
 
@@ -81,11 +82,12 @@ class Report:
             return "could not check everything"
         return "no mistake found" + (" (cost notes below)" if self.findings else "")
 
-    def text(self) -> str:
+    def text(self, fixes: bool = True) -> str:
+        """The report as lines; ``fixes=False`` hides each finding's fix (the saved report keeps it)."""
         lines = [f"doctor: {self.script} - {self.verdict} ({self.command}; {self.seconds:.0f} s)"]
         if self.error:
             lines += ["  " + line for line in self.error.splitlines()]
-        lines += [f.line() for f in sorted(self.findings, key=lambda f: f.kind != MISTAKE)]
+        lines += [f.line(fixes) for f in sorted(self.findings, key=lambda f: f.kind != MISTAKE)]
         if self.checked:
             lines.append("checked: " + "; ".join(self.checked))
         if self.unchecked:
@@ -103,11 +105,11 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
-    def html(self) -> str:
-        """The same report as a table (one row per finding), for a notebook."""
+    def html(self, fixes: bool = True) -> str:
+        """The same report as a table (one row per finding), for a notebook; ``fixes=False`` as in text()."""
         rows = "".join(
             f"<tr><td>{html.escape(f.kind)}</td><td><code>{html.escape(f.code)}</code></td>"
-            f"<td>{html.escape(f.seen)}</td><td>{html.escape(f.evidence)}</td><td>{html.escape(f.fix)}</td>"
+            f"<td>{html.escape(f.seen)}</td><td>{html.escape(f.evidence)}</td><td>{html.escape(f.fix if fixes else HIDDEN)}</td>"
             f"<td>{html.escape(f.lesson)}</td></tr>" for f in sorted(self.findings, key=lambda f: f.kind != MISTAKE))
         table = ("<table><tr><th>kind</th><th>finding</th><th>seen</th><th>evidence</th><th>fix</th>"
                  f"<th>where the course teaches it</th></tr>{rows}</table>") if rows else ""
