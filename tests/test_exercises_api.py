@@ -148,9 +148,33 @@ def test_ranks_that_only_gave_up_on_each_other_are_a_hang(tmp_path):
     assert verdict.diagnosis == "hang" and "rank 0 waited at ex.py line 30" in verdict.facts["detail"]
 
 
+def test_a_receive_buffer_of_another_size_is_a_shape_crash_not_a_hang(tmp_path):
+    """Issue 44 item 3 (exercise 8's held-out gradient buffer without its feature axis): gloo aborts the receiver
+    ("16384 vs 256. Received data size doesn't match expected size") and its partner's send fails. This was told
+    as an unmatched collective (a hang); with a point-to-point line in the run it is a buffer of the wrong shape.
+    The same message between collectives (no send or recv) stays a mismatch of collectives."""
+    from course.exercises.results import Stop
+    from course.exercises.running import Run, failure
+
+    path = (tmp_path / "ex.py").resolve()
+    gloo = ("what():  [enforce fail at gloo/transport/tcp/pair.cc:464] op.preamble.length <= op.nbytes. 16384 vs "
+            "256. Received data size doesn't match expected size.")
+    partner = "RuntimeError: Read error [127.0.0.1]:48821: Connection reset by peer"
+    for line, code, diagnosis in ((55, "dist.send(inputs[i].grad, dst=0)", "crash-shape"),
+                                  (40, "dist.all_reduce(x)", "hang")):
+        output = f"[rank0]:terminate called after throwing an instance of 'gloo::EnforceNotMet'\n[rank0]:  {gloo}\n" \
+            + _traceback(1, path, line, code, partner)
+        with pytest.raises(Stop) as stopped:
+            failure(Run(-6, output, {}, tmp_path, 1.0), path, 90)
+        verdict = stopped.value.verdict
+        assert verdict.diagnosis == diagnosis, verdict.symptom
+    shape = failure.__globals__["SIZES"].search(gloo)
+    assert shape and shape.groups() == ("16384", "256")
+
+
 SHARED = {"compare_traces(": ("steps", "no-broadcast", "wrong-start", "ranks-differ", "summed", "halved", "factor",
                               "differs", "loss-differs"),
-          "failure(": ("hang", "crash"), "load_trace": ("no-trace",), "load_metrics": ("no-output",)}
+          "failure(": ("hang", "crash", "crash-shape"), "load_trace": ("no-trace",), "load_metrics": ("no-output",)}
 
 
 @pytest.mark.parametrize("key", list(EXERCISES))

@@ -27,6 +27,8 @@ from course.recorder import ENTRY as RECORDER
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
 LAUNCH_TIMEOUT_S = 90  # wall-clock limit of a whole launch (a loop that never ends); check(timeout=) changes it
 CALL_LIMIT_S = 10  # a call into learner code made in this process
+SIZES = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match expected size")  # gloo: sent vs buffer
+P2P = re.compile(r"\b(dist\.)?(i?send|i?recv|batch_isend_irecv|P2POp)\(")  # a point-to-point line of the script
 HANG_MESSAGES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
                  "doesn't match expected size", "collective mismatch", "Socket Timeout")
 
@@ -173,6 +175,14 @@ def failure(run: Run, path: Path, timeout: float) -> None:
                       "a loop that never ends, or a rank waiting for a partner.", status="error", launched=True,
              detail="", errors=errors)
     own = [c for c in crashes if c.error and not waiting(c.error)]
+    sizes = next(((c, m) for c in crashes if (m := SIZES.search(c.error))), None)
+    if sizes and any(P2P.search(c.frames[-1][2]) for c in crashes if c.frames):  # a send and its receive disagree
+        rx, m = sizes
+        fail("crash-shape", f"rank {rx.rank} was sent {m[1]} bytes into a receive buffer of {m[2]} bytes (gloo: "
+                            f"\"Received data size doesn't match expected size\"): the buffer passed to dist.recv "
+                            "has another shape than the tensor its partner sent. " + "; ".join(
+                                f"rank {c.rank} at {_where(c, path) or 'a line outside your script'}" for c in crashes)
+             + ".", status="error", launched=True, detail="", errors=errors, rank=rx.rank)
     if crashes and not own:
         waited = [c for c in crashes if "Timed out" in c.error]
         detail = "; ".join(f"rank {c.rank} {'waited' if c in waited else 'failed'} at "
