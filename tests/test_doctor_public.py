@@ -46,3 +46,24 @@ def test_the_doctor_checks_a_public_shape_on_this_machine(name, outcomes):
     if "stand-in" in report.command:  # a CPU machine: the report says so, and what it could not see
         assert any("what needs a GPU" in u for u in report.unchecked), report.text()
     assert wait_for_no_processes(outcome.case.script.name, timeout=10) == []
+
+
+def test_the_benchmarks_plain_run_gets_the_exit_race_wait_and_the_stand_in(tmp_path):
+    """make bench's plain baseline of two fixed scripts failed now and then (gloo's exit race after the script's last
+    line: 'terminate called without an active exception'), which the doctor's own runs are spared by the course
+    launcher's start-up pause; the plain run now starts with the same pause, and its sitecustomize runs the
+    stand-in's after it (a process started in that environment has both; nothing is launched)."""
+    import subprocess
+    import sys
+
+    from course.bench_doctor_public import plain_env
+    from course.launcher.run import STARTUP
+
+    env = plain_env(tmp_path, {"standin": True, "pretend": True})
+    probe = ("import sys, sitecustomize, torch.distributed; print(sitecustomize.__file__); "
+             "print('recorder_standin' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+    first, standin = done.stdout.split()
+    assert first == str(STARTUP / "sitecustomize.py") and standin == "True", done.stdout + done.stderr
+    assert "Error in sitecustomize" not in done.stderr, done.stderr

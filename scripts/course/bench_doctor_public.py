@@ -14,7 +14,8 @@ interleaved (course.measure.compare). The plain run is the script as its author 
 a script that starts its own processes, else ``torchrun --standalone --nproc-per-node=2``), whole, without the
 recorder; a script written for CUDA on a machine with fewer GPUs than ranks cannot run plain, so there it runs on
 the CPU stand-in alone (``course/recorder/recorder_standin.py``, installed at start-up in every process), the
-nearest to a plain run such a script has. Everything goes to runs/benchmarks/doctor_public/metrics.json.
+nearest to a plain run such a script has. Both get the pause at exit every job of the course launcher gets (gloo's
+exit race, ``course/launcher/startup/``), as the doctor's runs do. Everything goes to runs/benchmarks/doctor_public/metrics.json.
 """
 
 import argparse
@@ -30,6 +31,7 @@ from pathlib import Path
 from course import ROOT
 from course.args import nonnegative_int, repo_path
 from course.doctor import cases
+from course.launcher.run import STARTUP
 from course.measure import compare
 from course.runlog import RunLog
 
@@ -54,24 +56,38 @@ def plain_command(case: cases.Case, launch: str, log_dir: Path) -> list:
             str(log_dir), str(case.script), *case.args]
 
 
-def plain_once(case: cases.Case, work: Path, how: dict, timeout: float = 300) -> float:
-    """One plain run of ``case`` in a folder of its own; its wall time in seconds."""
-    cwd = Path(tempfile.mkdtemp(prefix="plain-", dir=work))
+def plain_env(work: Path, how: dict) -> dict:
+    """The environment of a plain run: the stand-in where ``how`` says so (a CUDA script on a CPU machine)."""
+    # The same pause at exit against gloo's exit race as every job the course launches (the doctor's included):
+    # without it a plain run aborted after its last line now and then, and the timing stopped there. Its
+    # sitecustomize comes first and runs the next one on the path: the stand-in's.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    site = None
     if how["standin"]:
         site = work / "standin_site"
         site.mkdir(exist_ok=True)
         (site / "sitecustomize.py").write_text(STANDIN_SITE)
-        env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])),
-                   COURSE_BENCH_STANDIN=str(ROOT / "scripts" / "course" / "recorder"),
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (STARTUP, site, os.environ.get("PYTHONPATH")) if p)
+    if how["standin"]:
+        env.update(COURSE_BENCH_STANDIN=str(ROOT / "scripts" / "course" / "recorder"),
                    COURSE_BENCH_PRETEND="1" if how["pretend"] else "", COURSE_RECORD_GPUS="2")
+    return env
+
+
+def plain_once(case: cases.Case, work: Path, how: dict, timeout: float = 300) -> float:
+    """One plain run of ``case`` in a folder of its own; its wall time in seconds."""
+    cwd = Path(tempfile.mkdtemp(prefix="plain-", dir=work))
+    env = plain_env(work, how)
     start = time.monotonic()
     done = subprocess.run(plain_command(case, how["launch"], cwd / "logs"), cwd=cwd, env=env, check=False,
                           capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - start
     shutil.rmtree(cwd, ignore_errors=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{case.name}: the plain run failed ({done.returncode}): {done.stderr[-600:]}")
+        from course.launcher.torchrun_output import describe_failure
+
+        why = describe_failure(done.stdout + done.stderr, done.returncode).replace("\n", " | ")
+        raise RuntimeError(f"{case.name}: the plain run failed: {why[:400]}")
     return seconds
 
 
@@ -93,7 +109,7 @@ def timing(case: cases.Case, work: Path, repeats: int) -> dict:
         result = compare({"plain": lambda: plain_once(case, work, how), "doctor": lambda: doctor_once(case, work)},
                          repeats=repeats, unit="s", higher_is_better=False)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
-        return {"error": str(error).splitlines()[0][:300]}
+        return {"error": str(error).splitlines()[0][:500]}
     ratio = result["doctor"].median / result["plain"].median
     return {**result.to_dict(), "ratio": round(ratio, 2), "plain_on_standin": how["standin"],
             "launch": how["launch"]}
