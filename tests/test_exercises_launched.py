@@ -151,11 +151,19 @@ def test_debugging_lab_as_committed_shows_the_symptom_only(key):
 
 
 def test_the_hint_ladder_gives_what_the_first_check_held_back(tmp_path):
-    """6a as committed, read from notebook 09's headless run: the second rung shows where each rank waited."""
+    """6a as committed, read from notebook 09's headless run: the second rung shows where each rank waited. The
+    results file keeps a learner's hint levels across runs of the notebook: in a checkout where 09 ran before
+    (`make test` twice) 6a has been checked again and its ladder is further on; the copy is then put back to
+    where one check leaves it, with this run's symptom and detail."""
     run = executed_notebook(NOTEBOOK).require_ok()
     results = shutil.copy(run.written(RUNS / NOTEBOOK / "results.json"), tmp_path / "results.json")
-    first = json.loads((tmp_path / "results.json").read_text())["exercises"]["6a"]
-    assert first["hint_level"] == 1 and "line" not in first["symptom"] and "line" in first["detail"], first
+    data = json.loads((tmp_path / "results.json").read_text())
+    first = data["exercises"]["6a"]
+    assert first["hint_level"] == 1 or first["checks"] > 1, first  # one check: the first rung
+    assert "line" not in first["symptom"] and "line" in first["detail"], first
+    if first["hint_level"] != 1:  # as one check of this diagnosis leaves it
+        first.update(checks=1, seen={first["diagnosis"]: 1}, extra_hints={}, hint_level=1)
+        results.write_text(json.dumps(data))
     shown = hint("6a", results_file=results)
     assert "Hint 2/3: Where each rank was: " + first["detail"] in shown, shown
 
