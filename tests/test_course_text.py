@@ -116,24 +116,53 @@ def test_notebook_01s_bad_input_demo_prints_exit_status_2_from_a_path_with_a_spa
     assert out.getvalue().count("exit status 2") == 2, out.getvalue()
 
 
-def test_03_says_why_two_processes_look_several_times_faster_on_a_cpu():
-    """Learner review N5: 03 printed "2 ranks: 6.19x" with no word on the 1-rank run's second thread. Its cell now
-    prints the reason from the numbers (here notebook 03's run of the review); 07 says it in words."""
+def _run_03_speed_cell(samples_per_s, cores=2, gpus=0):
+    """Notebook 03's speed cell, executed with its launches replaced by rounds that return the given samples/s
+    (each configuration's list, one value per round): what it prints."""
     import contextlib
     import io
-    from types import SimpleNamespace
+
+    from course.measure import compare
 
     cells = nbformat.read(ROOT / "notebooks" / "03_ddp_five_steps.ipynb", as_version=4).cells
-    source = next(c.source for c in cells if c.cell_type == "code" and '"1 rank, 1 thread"' in c.source)
-    tail = source[source.index("if RULE.one_process_threads > 1:"):]
-    medians = {"1 rank": 3117, "2 ranks": 19305, "1 rank, 1 thread": 25968}
+    source = next(c.source for c in cells if c.cell_type == "code" and "speed = Rounds(" in c.source)
+
+    class Rounds:  # what course.rounds.Rounds does, without launching: each round takes the next value
+        def __init__(self, root):
+            self.labels = []
+
+        def add(self, label, script, args, **options):
+            assert script == "train_ddp.py" and "--model" in args and options["env"]["OMP_NUM_THREADS"]
+            self.labels.append((label, options.get("nproc", 1), options["env"]["OMP_NUM_THREADS"]))
+
+        def measures(self):
+            values = {label: iter(samples_per_s[label]) for label, _, _ in self.labels}
+            return {label: (lambda label=label: next(values[label])) for label, _, _ in self.labels}
+
+    scope = {"Rounds": Rounds, "compare": compare, "cpu_cores": lambda: cores, "accelerator_count": lambda: gpus,
+             "QUICK": True, "RUNS": "runs/03_ddp_five_steps"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(tail, {"RULE": SimpleNamespace(one_process_threads=2),  # noqa: S102 - the notebook's own lines
-                    "mlp_speed": {k: SimpleNamespace(median=v) for k, v in medians.items()}})
-    assert "1 rank ran at 8.33x" in out.getvalue() and "2 ranks ran at 0.74x" in out.getvalue(), out.getvalue()
-    capstone = nbformat.read(ROOT / "notebooks" / "07_capstone_flowers.ipynb", as_version=4).cells
-    assert any("'1 rank, 1 thread' row" in c.source for c in capstone if c.cell_type == "code")
+        exec(source, scope)  # noqa: S102 - the notebook's own lines
+    return out.getvalue(), scope["speed"].labels
+
+
+def test_03_sees_ddp_faster_only_when_five_rounds_agree():
+    """Issue 52 item 3: 1 rank against 2, one thread per rank in both; 2 ranks x every core beside them. The
+    verdict is computed from 5 interleaved rounds: faster when all 5 agree, "too noisy" otherwise."""
+    faster = {"1 rank": [1000, 1010, 990, 1005, 995], "2 ranks": [1900, 1850, 1950, 1800, 1920],
+              "2 ranks x 2 threads": [900, 950, 880, 700, 990]}
+    out, labels = _run_03_speed_cell(faster)
+    assert labels == [("1 rank", 1, "1"), ("2 ranks", 2, "1"), ("2 ranks x 2 threads", 2, "2")]
+    assert "2 ranks: 1.90x" in out and "faster in every one of 5 rounds" in out, out
+    assert "2 ranks x 2 threads: 0.4" in out and "slower in every one of 5 rounds" in out, out
+    noisy = dict(faster, **{"2 ranks": [1900, 800, 1950, 1800, 1920]})
+    out, _ = _run_03_speed_cell(noisy)
+    assert "2 ranks:" in out and "too noisy to tell" in out and "faster in every" not in out.split("2 ranks x")[0], out
+    out, labels = _run_03_speed_cell({}, gpus=1)
+    assert out.startswith("skipped: comparing 1 rank with 2 needs 2 GPUs") and len(labels) == 2, out
+    out, labels = _run_03_speed_cell({"1 rank": [10] * 5, "4 ranks": [39] * 5}, gpus=4)
+    assert [label for label, *_ in labels] == ["1 rank", "4 ranks"] and "4 ranks: 3.90x" in out, out
 
 
 def test_the_readme_limits_torchruns_lost_redirects_on_windows_to_run_path_as_the_torch_source_does():

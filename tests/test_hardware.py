@@ -2,6 +2,7 @@
 XPU x2, for 1 and 2 processes; plan() reports what the rule decides; the launcher plans a CPU job
 without importing torch."""
 
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Backend
 
-from course import hardware
+from course import SCRIPTS, hardware
 from course.hardware import CPU_BACKEND, backend_for, choose, describe, pick_device
 from course.launcher import plan
 
@@ -162,8 +163,42 @@ def test_the_take_home_device_lines_follow_the_rule(report, fake_torch):
             assert (device, backend) == (expected, chosen.backend), (report, nproc, chosen.reason)
     chosen = choose(1, ranks=False, report=report)  # one plain process (train_single.py): MPS too
     assert train_utils.pick_device().type == chosen.device_type, chosen.reason
-    for script in ("train_single", "train_ddp", "train_fsdp", "train_flowers", "train_resumable"):
+    for script in ("train_fsdp", "train_flowers"):  # train_single/train_ddp: the rule's own lines, below
         module = import_script(script)
         assert getattr(module, "pick_device_and_backend", train_utils.pick_device_and_backend) is \
             train_utils.pick_device_and_backend and getattr(module, "pick_device", train_utils.pick_device) is \
             train_utils.pick_device, f"{script} picks its device by the rule's own lines"
+
+
+def _inline_device_lines(script: str) -> str:
+    """The core script's own device lines: train_single.py's one line, train_ddp.py's DDP step 2 block."""
+    import textwrap
+
+    source = (SCRIPTS / script).read_text()
+    if script == "train_single.py":
+        return next(line for line in source.splitlines() if line.strip().startswith("device = ")).strip()
+    block = source.split("    accelerator = torch.accelerator.current_accelerator", 1)[1]
+    block = "    accelerator = torch.accelerator.current_accelerator" + block.split("    torch.manual_seed", 1)[0]
+    return textwrap.dedent(block)
+
+
+@pytest.mark.parametrize("report", REPORTS, ids=str)
+def test_the_core_scripts_inline_device_lines_follow_the_rule(report, fake_torch, monkeypatch):
+    """train_single.py and train_ddp.py choose device and backend inline (plain torch): for each faked machine
+    their lines give what course.hardware.choose gives, and name no device type or backend themselves."""
+    fake_torch(report)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    chosen = choose(1, ranks=False, report=report)
+    scope = {"torch": torch}
+    exec(_inline_device_lines("train_single.py"), scope)  # noqa: S102 - the script's own lines, read from it
+    assert scope["device"].type == chosen.device_type, chosen.reason
+    lines = _inline_device_lines("train_ddp.py")
+    assert "cuda" not in lines and "nccl" not in lines
+    for nproc in (1, 2):
+        chosen = choose(nproc, report=report)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(nproc))
+        for local_rank in range(nproc):
+            scope = {"torch": torch, "dist": dist, "os": os, "local_rank": local_rank}
+            exec(lines, scope)  # noqa: S102
+            expected = torch.device("cpu") if chosen.device_type == "cpu" else torch.device(chosen.device_type, local_rank)
+            assert (scope["device"], scope["backend"]) == (expected, chosen.backend), (report, nproc, chosen.reason)

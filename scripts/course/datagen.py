@@ -171,7 +171,21 @@ def generate_mnist(root: Path, n_train: int = 60000, n_val: int = 10000, seed: i
     _begin(root)
     np.savez(root / "mnist.npz", train_images=train_images.numpy(), train_labels=train_labels.numpy(),
              val_images=val_images.numpy(), val_labels=val_labels.numpy())
+    write_idx(root, train_images, train_labels, val_images, val_labels)
     _end(root)
+
+
+def write_idx(root: Path, train_images, train_labels, val_images, val_labels) -> None:
+    """The same digits as torchvision's MNIST files (root/MNIST/raw/*-ubyte, IDX format): what
+    ``torchvision.datasets.MNIST(root)`` reads, so that the core path's plain scripts load them as real MNIST."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, images, labels in (("train", train_images, train_labels), ("t10k", val_images, val_labels)):
+        n = len(images)  # IDX: a magic number (0x0803 images, 0x0801 labels), big-endian sizes, then the bytes
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            np.array([0x803, n, 28, 28], ">i4").tobytes() + images.numpy().astype(np.uint8).tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            np.array([0x801, n], ">i4").tobytes() + labels.numpy().astype(np.uint8).tobytes())
 
 
 # ------------------------------------------------------------------------------------------ setup
@@ -183,7 +197,7 @@ def ensure_datasets(data_dir: Path = DATA_DIR, names=DATASETS, quiet: bool = Fal
     generators = {"flowers": generate_flowers, "mnist": generate_mnist}
     for name in names:
         root = Path(data_dir) / name
-        if (root / MARKER).exists() and not force:
+        if (root / MARKER).exists() and not force and (name != "mnist" or (root / "MNIST" / "raw").is_dir()):
             message = f"{name}: already present in {root}"
         else:
             shutil.rmtree(root, ignore_errors=True)  # a partial or forced folder starts from scratch

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     gpus = torch.cuda.device_count()
     print(f"[gpu-check] {gpus} CUDA GPU(s): {hardware}", flush=True)
     checks: list = []
-    mnist_quick = ["--dataset", "mnist", "--epochs", "1", "--max-steps", "60"]
+    mnist_quick = ["--epochs", "1", "--max-steps", "60"]
     _check("train_single.py on cuda", lambda: launch_on_gpu("train_single.py", 1, mnist_quick), checks)
     _check("train_ddp.py, 1 process, nccl", lambda: launch_on_gpu("train_ddp.py", 1, mnist_quick), checks)
     if gpus >= 2:

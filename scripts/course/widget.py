@@ -1,7 +1,7 @@
 """A launch panel for notebooks: pick a script, ranks, backend and run length; Launch, watch, Stop.
 
     from course.widget import launcher_widget
-    launcher_widget("train_ddp.py", nproc=2, args="--dataset mnist")
+    launcher_widget("train_ddp.py", nproc=2, args="--model cnn")
 
 The job runs through ``course.launcher.launch`` in a background thread, so the notebook stays
 usable while it trains; Stop (or shutting the kernel down) ends every rank. Combinations that
@@ -103,7 +103,7 @@ class LauncherPanel(widgets.VBox):
                                       tooltip="0: the script's default")
         self.max_steps = widgets.IntText(value=max_steps, description="max steps", style=wide,
                                          layout={"width": "140px"}, tooltip="0: no limit")
-        self.extra = widgets.Text(value=args, description="extra args", placeholder="--dataset mnist",
+        self.extra = widgets.Text(value=args, description="extra args", placeholder="--model cnn",
                                   style=wide, layout={"width": "560px"})
         self.launch_button = widgets.Button(description="Launch", icon="play", button_style="success")
         self.stop_button = widgets.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
