@@ -1,6 +1,10 @@
-"""Setup files agree with each other, and scripts use no deprecated or wrong API."""
+"""Setup files agree with each other, and scripts use no deprecated or wrong API; notebook 00's run prints one
+figure per message size."""
 
 import re
+
+import pytest
+from conftest import executed_notebook
 
 from course import ROOT, SCRIPTS
 
@@ -72,3 +76,38 @@ def test_machine_report_says_what_each_backend_can_do_here():
                               "gloo": True, "nccl_built": True, "nccl_usable": True}))
     assert gpus["accelerator"] == "cuda × 2 (H100, H100)" and gpus["nccl"] == "available, and usable here: 2 GPU(s)"
     assert dict(report_lines({"nccl_built": False}))["nccl"] == "not in this build of PyTorch"
+
+
+def test_notebook_00_prints_one_bus_bandwidth_per_size_and_no_prediction_it_did_not_see():
+    """Issue 52, read from notebook 00's headless run (conftest.executed_notebook, shared with test_notebooks):
+    - the largest message had two bus bandwidths (its line, and a second measurement beside the local copy): the
+      copy is now timed in the same rounds, so the table's all_reduce row is that line's rounds;
+    - a Check yourself answered from the key says so, never "as you predicted";
+    - the inline TensorBoard leaves its frame and one line, no ``TensorBoardInfo(...)`` repr."""
+    import statistics
+
+    import nbformat
+
+    from course.hello import _size
+
+    run = executed_notebook("00_environment").require_ok()
+    metrics = run.metrics("np2")
+    ring = 2 * (metrics["world_size"] - 1) / metrics["world_size"]
+    largest = max(int(k) for k in metrics["time_ms_by_KiB"])
+    per_round = [ring * largest * 1024 / (ms / 1e3) / 1e9 for ms in metrics["time_ms_by_KiB"][str(largest)]]
+    compared = metrics["comparison"]["values"]["all_reduce (bus bandwidth)"]
+    assert compared == pytest.approx(per_round, rel=1e-9) and metrics["compared_MiB"] * 1024 == largest
+    assert metrics["bus_bandwidth_GBps_by_KiB"][str(largest)] == round(statistics.median(per_round), 3)
+    printed = run.output()
+    line = re.search(rf"all_reduce +{largest} KiB: .*bus bandwidth +(\S+) GB/s", printed)
+    row = re.search(r"all_reduce \(bus bandwidth\) +(\S+) \(", printed)
+    assert line and row and line[1] == row[1], (line and line[0], row and row[0])  # one figure, printed alike
+    assert f"{_size(largest)}: the all_reduce line above" in printed
+    passes = [text for text in printed.splitlines() if text.startswith("PASS")]
+    assert len(passes) == 2 and all(text.endswith("(answered from the key: COURSE_ANSWER_KEY=1)") for text in passes)
+    assert "predicted" not in printed
+    cells = nbformat.read(run.executed, as_version=4).cells
+    board = next(c for c in cells if c.cell_type == "code" and "show(" in c.source and "inline_tensorboard" in c.source)
+    kinds = [(o.output_type, "".join(o.get("text", "")).count("\n")) for o in board.outputs]
+    assert kinds == [("display_data", 0), ("stream", 1)], board.outputs
+    assert "TensorBoardInfo" not in str(board.outputs)

@@ -195,3 +195,17 @@ def test_every_diagnosis_a_check_can_reach_has_a_hint_written_for_it(key):
     reached |= {d for call, names in SHARED.items() if call in source for d in names} | {"missing", "syntax", "gaps"}
     written = set(EXERCISES[key].hints) | set(COMMON_HINTS)
     assert reached <= written, f"exercise {key}: no hint written for {sorted(reached - written)}"
+
+
+def test_a_hint_that_names_deep_dive_04b_names_the_core_notebook_first():
+    """Issue 52: "where the course teaches it" sent core-path learners to deep dive 04b for what notebook 03 step 5
+    teaches (collectives on every rank, printing on rank 0) and for what 03's proof 1 does (comparing a step with
+    one process's). A hint may name 04b, after the core notebook (00, 03 or 04) that teaches it."""
+    import re
+
+    texts = {(key, diagnosis, rung): text for key, ex in EXERCISES.items()
+             for diagnosis, rungs in {**COMMON_HINTS, **ex.hints}.items() for rung, text in enumerate(rungs)}
+    core = re.compile(r"\b[Nn]otebooks? 0[034]\b(?!b)")
+    late = {where: text for where, text in texts.items() if "04b" in text
+            and not (core.search(text) and core.search(text).start() < text.index("04b"))}
+    assert any("04b" in text for text in texts.values()) and not late, late

@@ -82,3 +82,23 @@ def test_no_answer_of_check_yourself_is_written_in_the_notebook_before_it():
                        and v >= 100}
             leaks += [f"{path.name}: {n} ({qid})" for n in numbers if re.search(rf"(?<![\d.]){n}(?![\d.])", above)]
     assert not leaks, leaks
+
+
+def test_a_pass_from_the_key_says_so(monkeypatch, capsys):
+    """Issue 52: executed copies said "PASS ... as you predicted" under PREDICTED_SUM = None. From the key a pass
+    says it was answered from the key; a learner's pass does not."""
+    monkeypatch.setenv("COURSE_ANSWER_KEY", "1")
+    assert quiz.verdict([], "3 ranks, every one holds 6 = 1 + 2 + 3.") is True
+    assert capsys.readouterr().out.strip() == f"PASS: 3 ranks, every one holds 6 = 1 + 2 + 3. {quiz.KEY_NOTE}"
+    assert "answered from the key" in quiz.KEY_NOTE
+    monkeypatch.delenv("COURSE_ANSWER_KEY")
+    assert quiz.verdict([], "x") is True
+    assert capsys.readouterr().out == "PASS: x\n"
+
+
+def test_no_check_yourself_claims_the_learner_predicted_it():
+    """A success text says what the run showed; whether a learner or the key answered is quiz.verdict's to say."""
+    claims = [f"{path.name}: {line.strip()}" for path in NOTEBOOKS for cell in nbformat.read(path, as_version=4).cells
+              if cell.cell_type == "code" and "quiz." in cell.source
+              for line in cell.source.splitlines() if re.search(r"\byou (predicted|answered|guessed)", line)]
+    assert not claims, claims

@@ -80,7 +80,32 @@ def test_display_honours_tensorboard_proxy_url(logdir, monkeypatch, capsys):
     monkeypatch.setattr(notebook, "_get_context", lambda: notebook._CONTEXT_IPYTHON)  # as inside a kernel
     monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
     monkeypatch.setenv("TENSORBOARD_PROXY_URL", "/user/me/proxy/%PORT%/")
-    info = show(logdir)
+    assert show(logdir) is None
+    port = start(logdir).port  # the running one, reused
     html = shown[0].data
-    assert f'"/user/me/proxy/{info.port}/"' in html and "<iframe" in html
-    assert f"/user/me/proxy/{info.port}/" in capsys.readouterr().out
+    assert f'"/user/me/proxy/{port}/"' in html and "<iframe" in html
+    assert f"/user/me/proxy/{port}/" in capsys.readouterr().out
+
+
+def test_show_leaves_the_frame_and_one_line_only(logdir, monkeypatch, capsys):
+    """Issue 52: a raw ``TensorBoardInfo(...)`` repr appeared under every inline TensorBoard (show() returned the
+    info, the cell's last value) beside tensorboard's own "Selecting TensorBoard with ..." line. Run as a cell's
+    last line in an IPython shell, show() leaves the frame and its one-line note, nothing else."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    notebook = importlib.import_module("tensorboard.notebook")
+    shown = []
+    monkeypatch.setattr(notebook, "_get_context", lambda: notebook._CONTEXT_IPYTHON)
+    monkeypatch.setattr("IPython.display.display", lambda obj, **kw: shown.append(obj))
+    monkeypatch.delenv("TENSORBOARD_PROXY_URL", raising=False)
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell(f"from course.inline_tensorboard import show\nshow({str(logdir)!r})", store_history=False)
+        last_value = shell.user_ns.get("_")
+    finally:
+        InteractiveShell.clear_instance()
+    out = capsys.readouterr().out
+    port = start(logdir).port
+    assert len(shown) == 1 and "<iframe" in shown[0].data, shown
+    assert out.splitlines() == [f"(open it in its own tab: http://127.0.0.1:{port}/)"], out
+    assert "TensorBoardInfo" not in out and last_value in (None, ""), (out, last_value)

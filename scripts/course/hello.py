@@ -4,7 +4,8 @@ the notebook shows from its metrics.json, and torchrun's own rank assignment for
 Timing on a shared machine: one burst of other work lasts milliseconds, longer than a small all_reduce, so a
 size timed once can come out slower than a size 16 times larger. Here every size is timed in ``rounds``
 interleaved passes (after one untimed pass), each the median of 9 calls, and reported as the median over the
-passes with their range.
+passes with their range; the local copy that the largest size is compared with is timed in the same passes, so
+that size has one bus bandwidth, not one per measurement.
 """
 
 import statistics
@@ -12,7 +13,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from course.measure import compare, time_call
+from course.measure import Comparison, Measurement, _fmt, time_call  # _fmt: as the table prints
 
 FIRST_KIB = 16
 
@@ -26,39 +27,49 @@ def _seconds_per_call(fn, device) -> float:
 
 
 def time_all_reduce(device, max_mib: int, rounds: int, log, show: bool) -> dict:
-    """all_reduce time and bus bandwidth for 16 KiB ... ``max_mib`` MiB, then the largest against a local copy.
+    """all_reduce time and bus bandwidth for 16 KiB ... ``max_mib`` MiB, and a local copy of the largest message
+    timed in the same rounds (before the sizes in one round, after them in the next): the largest size's rounds
+    are both its line and the comparison's all_reduce row, so each size has one figure.
     Every rank must call it (all_reduce is a collective); ``show``: print (rank 0)."""
     world_size = dist.get_world_size()
     ring = 2 * (world_size - 1) / world_size  # share of the message each rank sends in a ring all_reduce
     sizes = [FIRST_KIB * 4 ** i for i in range(20) if FIRST_KIB * 4 ** i <= max_mib * 1024]
     tensors = {kib: torch.zeros(kib * 1024 // 4, device=device) for kib in sizes}  # fp32: 4 bytes per element
+    source = tensors[sizes[-1]]
+    target = torch.empty_like(source)
     times: dict[int, list[float]] = {kib: [] for kib in sizes}
+    copies: list[float] = []
     for index in range(rounds + 1):  # the first pass is untimed: connections and buffers are set up in it
+        copy_first = index % 2 == 1  # alternate, as course.measure.compare does: neither always runs warm
+        if copy_first:
+            copy_seconds = _seconds_per_call(lambda: target.copy_(source), device)
         for kib in sizes:
             seconds = _seconds_per_call(lambda t=tensors[kib]: dist.all_reduce(t), device)
             if index:
                 times[kib].append(seconds)
+        if not copy_first:
+            copy_seconds = _seconds_per_call(lambda: target.copy_(source), device)
+        if index:
+            copies.append(copy_seconds)
     bandwidth = {}
     for kib in sizes:
         seconds = statistics.median(times[kib])
-        bus_gbps = ring * kib * 1024 / seconds / 1e9  # "bus bandwidth": comparable across world sizes
+        bus_gbps = statistics.median(ring * kib * 1024 / s / 1e9 for s in times[kib])  # comparable across world sizes
         log.scalar("all_reduce/bus_bandwidth_GBps", bus_gbps, kib)  # TensorBoard's step axis = size in KiB
         log.scalar("all_reduce/time_ms", seconds * 1e3, kib)
         bandwidth[kib] = round(bus_gbps, 3)
         if show:
             print(f"all_reduce {kib:>6} KiB: {seconds * 1e3:8.2f} ms ({min(times[kib]) * 1e3:.2f}-"
-                  f"{max(times[kib]) * 1e3:.2f} over {rounds} rounds), bus bandwidth {bus_gbps:6.2f} GB/s", flush=True)
+                  f"{max(times[kib]) * 1e3:.2f} over {rounds} rounds), bus bandwidth {_fmt(bus_gbps):>6} GB/s", flush=True)
 
-    source = tensors[sizes[-1]]
-    target = torch.empty_like(source)
-    result = compare({"all_reduce (bus bandwidth)": lambda: ring * source.nbytes / _seconds_per_call(
-                          lambda: dist.all_reduce(source), device) / 1e9,
-                      "local copy": lambda: source.nbytes / _seconds_per_call(lambda: target.copy_(source), device) / 1e9},
-                     repeats=rounds, unit="GB/s")
-    verdict = result.verdict("local copy", "all_reduce (bus bandwidth)")
+    reduced = "all_reduce (bus bandwidth)"
+    result = Comparison({reduced: Measurement(reduced, [ring * source.nbytes / s / 1e9 for s in times[sizes[-1]]]),
+                         "local copy": Measurement("local copy", [source.nbytes / s / 1e9 for s in copies])},
+                        unit="GB/s", cpu_only=device.type == "cpu")
+    verdict = result.verdict("local copy", reduced)
     if show:
-        print(f"\n{source.nbytes / 2**20:.0f} MiB, {rounds} interleaved rounds:", result.table(), verdict, sep="\n",
-              flush=True)
+        print(f"\n{_size(sizes[-1])}: the all_reduce line above against a local copy of the same tensor, timed in the "
+              f"same {rounds} rounds:", result.table(), verdict, sep="\n", flush=True)
     return {"bus_bandwidth_GBps_by_KiB": bandwidth, "time_ms_by_KiB": {k: [t * 1e3 for t in v] for k, v in times.items()},
             "compared_MiB": source.nbytes / 2**20, "comparison": result.to_dict(), "verdict": verdict}
 

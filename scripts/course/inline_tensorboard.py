@@ -9,6 +9,8 @@ kill it, and it carries a watchdog that exits when the notebook kernel that star
 """
 
 import argparse
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -73,13 +75,15 @@ def start(logdir, timeout: float = 120) -> "manager.TensorBoardInfo":
     raise RuntimeError(f"TensorBoard {why}; last lines of {log}:\n" + "\n".join(last))
 
 
-def show(logdir, height: int = 520):
-    """Embed TensorBoard for ``logdir`` in the cell output (an iframe served from 127.0.0.1)."""
+def show(logdir, height: int = 520) -> None:
+    """Embed TensorBoard for ``logdir`` in the cell output (an iframe served from 127.0.0.1) and print one line
+    with its address. Returns None, so that ``show(...)`` as a cell's last line leaves no ``TensorBoardInfo(...)``
+    repr under the frame (``start()`` returns the info), and nothing else is printed."""
     info = start(logdir)
-    notebook.display(port=info.port, height=height)
+    with contextlib.redirect_stdout(io.StringIO()):  # no "Selecting TensorBoard with ...": the note says where
+        notebook.display(port=info.port, height=height)
     where = os.environ.get("TENSORBOARD_PROXY_URL", "http://127.0.0.1:%PORT%/").replace("%PORT%", str(info.port))
     print(f"(open it in its own tab: {where})")
-    return info
 
 
 def stop(logdir=None) -> int:

@@ -14,7 +14,9 @@ The second checks them::
 
 A wrong answer gets a hint (the ``problems``, which say what to look at), never the answer. With
 ``COURSE_ANSWER_KEY=1`` (the tests and ``make course``) the answers come from ``answer_key/<id>.json``
-instead, and a verdict that is not a pass raises, so a key that stopped passing fails the run.
+instead, and a verdict that is not a pass raises, so a key that stopped passing fails the run; a pass then says
+"answered from the key", as no learner predicted anything (a success text says what the run showed, never "as
+you predicted": tests/test_quiz.py).
 """
 
 import json
@@ -47,13 +49,17 @@ def answers(question: str, **given):
     return SimpleNamespace(**given)
 
 
+KEY_NOTE = "(answered from the key: COURSE_ANSWER_KEY=1)"
+
+
 def verdict(problems: list[str], success: str) -> bool:
-    """Print PASS and ``success``, or 'Not yet' and each problem (a hint, not the answer). Returns passed."""
+    """Print PASS and ``success`` (with KEY_NOTE when the key answered), or 'Not yet' and each problem (a hint,
+    not the answer). Returns passed."""
     if problems:
         text = "Not yet: " + "; ".join(problems)
         if key_mode():
             raise AssertionError(f"the answer key does not pass: {text}")
         print(text)
         return False
-    print(f"PASS: {success}")
+    print(f"PASS: {success}" + (f" {KEY_NOTE}" if key_mode() else ""))
     return True

@@ -118,7 +118,7 @@ HINTS = {
     "hang": [("A collective was called by one rank only: the other never joined it, and the process-group timeout "
               "ended the job. The lines above show where each rank was."),
              ("Every rank must call the same collectives in the same order. Is one of your calls inside an `if` on the "
-              "rank? (Notebook 04b, section 12.)"),
+              "rank? (Notebook 03, step 5: every rank reduces, rank 0 alone prints; deep dive: 04b, section 12.)"),
              "Call all_reduce on every rank for every gradient: no condition on the rank around it."],
 }
 

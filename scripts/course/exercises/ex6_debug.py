@@ -137,7 +137,8 @@ HINTS_A = {
               "was when the timeout ended it: hint('6a') shows it."),
              ("Where each rank was: {detail} Two ranks waiting in two *different* collectives is the signature of a "
               "collective that only some ranks call. Follow the waiting rank's line up to the code that called it: is "
-              "that code run by every rank? (Notebook 04b, section 12; `py-spy dump --pid PID` shows the same for a "
+              "that code run by every rank? (Notebook 03, step 5: every rank reduces, rank 0 alone writes; deep dive: "
+              "04b, section 12; `py-spy dump --pid PID` shows the same for a "
               "live job.)"),
              ("evaluate() contains an all_reduce, and only rank 0 calls evaluate(). Every rank must evaluate its own "
               "part; only the printing and saving belong to rank 0.")],
@@ -175,7 +176,8 @@ HINTS_B = {
 
 HINTS_C = {
     "accum-not-divided": [("Measure by how much each step goes too far: compare one step with one process's step "
-                           "from the same point (notebook 04b section 13 compares steps like this); hint('6c') shows "
+                           "from the same point (notebook 03's proof 1 compares gradients like this; deep dive: "
+                           "05, section 2, accumulation); hint('6c') shows "
                            "what the check measured."),
                           ("{detail} The factor is also the number of accumulation steps (--accum 4): something adds "
                            "up once per micro-batch. backward() adds to .grad: compare the gradient after 4 "

@@ -25,8 +25,9 @@ COMMON_HINTS = {
     "hang": [("One rank waited in a collective (all_reduce, broadcast, barrier, ...) that the other never called, or "
               "called in another order; the process-group timeout ended it. The lines above show where each rank was."),
              ("Every collective must be called by every rank, the same number of times, in the same order. Look for a "
-              "collective inside an `if` on the rank, or in a loop whose length differs between ranks (notebook 04b "
-              "section 12, a collective only some ranks call; notebook 04 section 7, uneven inputs)."),
+              "collective inside an `if` on the rank, or in a loop whose length differs between ranks (notebook 03 "
+              "step 5, collectives on every rank and printing on rank 0; notebook 04 section 7, uneven inputs; deep "
+              "dive: 04b section 12, a collective only some ranks call)."),
              ("Find the collective in the rank that timed out, then the condition or loop that keeps the other rank "
               "from reaching it, and make every rank call it.")],
     "no-trace": [("Keep the lines that create `trace = Trace(...)`, call `trace.step(...)` and `trace.save()`: the "
