@@ -22,10 +22,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+from course import flag
 from course.args import JobParser, output_dir, positive_float, positive_int
-from course.dcp_check import load_failure, problem, unverified, write_manifest
+from course.dcp_check import WeightsOnlyPlanner, load_failure, problem, unverified, write_manifest
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 from train_2d import loss_context, pick_device, shard_model  # the same model and plan as train_2d.py
 
 
@@ -84,6 +87,9 @@ def main():
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
@@ -106,7 +112,9 @@ def main():
         if rank == 0 and (note := unverified(args.load)) is not None:
             print(note, flush=True)
         try:
-            dcp.load(state, checkpoint_id=args.load)  # each rank reads the pieces of its own shards
+            # each rank reads the pieces of its own shards; the items that are not tensors (the optimizer's
+            # param_groups) with torch's weights-only unpickler: a checkpoint holds data, never code
+            dcp.load(state, checkpoint_id=args.load, planner=WeightsOnlyPlanner())
         except dcp.CheckpointException as error:  # raised on every rank alike (DCP gathers each rank's failure)
             if rank == 0:
                 print(f"error: {load_failure(args.load, error)}", file=sys.stderr, flush=True)
@@ -127,6 +135,8 @@ def main():
         print(f"{metrics['mode']} on {shape}: losses after the checkpoint " + ", ".join(f"{v:.6f}" for v in after),
               flush=True)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

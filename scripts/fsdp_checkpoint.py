@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Subset
 from course.args import JobParser, repo_output_dir, repo_path, repo_writable_file
 from course.checkpoint import save_checkpoint
 from course.data import build_datasets
-from course.dcp_check import load_failure, problem, read_metadata, unverified
+from course.dcp_check import WeightsOnlyPlanner, load_failure, problem, read_metadata, unverified
 from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
 from course.models import DEFAULT_MODEL, build_model
@@ -46,7 +46,8 @@ def main():
     parser.add_argument("--run-dir", type=repo_output_dir, default="runs/fsdp_checkpoint")
     args = parser.parse_args()
     world_size = parser.world_size()  # outside torchrun: one line saying how to launch it
-    # Nothing in the folder is unpickled before this check: sha256.json, then DCP's own classes only.
+    # Nothing in the folder runs as code: sha256.json, then DCP's own classes only, then every item that is not
+    # a tensor with torch's weights-only unpickler (data only). dcp.load below reads them the same way.
     if (why := problem(args.checkpoint)) is not None:
         parser.error(f"argument checkpoint: {why}")
 
@@ -71,11 +72,11 @@ def main():
 
     # What to fill: this rank's shards, named as in the plain model. dcp.load reads into them in place.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "epoch": -1, "step": -1}
+    state = {"model": model_state, "optimizer": optimizer_state, "epoch": torch.tensor(-1), "step": torch.tensor(-1)}
     if rank == 0 and (note := unverified(args.checkpoint)) is not None:
         print(note, flush=True)
     try:
-        dcp.load(state, checkpoint_id=args.checkpoint)
+        dcp.load(state, checkpoint_id=args.checkpoint, planner=WeightsOnlyPlanner())  # non-tensors: data only
     except dcp.CheckpointException as error:  # raised on every rank alike: another model's checkpoint, say
         if rank == 0:
             print(f"error: {load_failure(args.checkpoint, error)}", file=sys.stderr, flush=True)
@@ -83,6 +84,7 @@ def main():
         dist.destroy_process_group()
         raise SystemExit(2) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    epoch, step = int(state["epoch"]), int(state["step"])  # saved as tensors by train_fsdp.py
 
     # Where the pieces came from: the metadata lists, for each tensor, the pieces the saving ranks wrote.
     name, param = next(iter(model.named_parameters()))
@@ -106,12 +108,12 @@ def main():
     if args.export:
         whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            save_checkpoint({"model": whole, "epoch": state["epoch"], "step": state["step"]}, args.export)
+            save_checkpoint({"model": whole, "epoch": epoch, "step": step}, args.export)
     if rank == 0:
-        print(f"loaded step {state['step']} (epoch {state['epoch']}) on {world_size} rank(s): "
+        print(f"loaded step {step} (epoch {epoch}) on {world_size} rank(s): "
               f"val accuracy {correct / total:.4f} ({correct}/{total})"
               + (f"; exported to {args.export}" if args.export else ""), flush=True)
-    log.finish(step=state["step"], epoch=state["epoch"], saved_pieces=len(pieces), val_correct=correct,
+    log.finish(step=step, epoch=epoch, saved_pieces=len(pieces), val_correct=correct,
                val_total=total, val_accuracy=correct / total)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()

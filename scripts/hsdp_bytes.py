@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from course import flag
 from course.args import JobParser, output_dir, positive_int
 from course.comm_count import CollectiveCounter, bytes_sent
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 from train_2d import pick_device, shard_model  # the same model and plan as train_2d.py
 
 
@@ -67,6 +70,9 @@ def main():
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     names = ("replicate", "shard")
@@ -105,6 +111,8 @@ def main():
         os.replace(tmp, Path(args.run_dir) / "metrics.json")
         print(f"hsdp_bytes: mesh {sizes}, one step counted on rank 0 ({device}, {dist.get_backend()})", flush=True)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

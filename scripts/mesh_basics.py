@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from course import flag
 from course.args import JobParser, output_dir, positive_int
+from course.errors import reported_once
 from course.hardware import backend_for, pick_device
+from course.rundir import claim_run_dir
 
 
 def main():
@@ -30,6 +33,9 @@ def main():
     device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(backend_for(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (args.dp, world_size // args.dp), mesh_dim_names=("dp", "tp"))
@@ -54,6 +60,8 @@ def main():
                                    "names": list(mesh.mesh_dim_names), "ranks": everyone}, indent=2))
         os.replace(tmp, Path(args.run_dir) / "metrics.json")
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single  # differentiable: backward sends back
 
+from course import flag
 from course.args import JobParser, check_size, output_dir, positive_int
 from course.comm_count import CollectiveCounter
+from course.errors import reported_once
 from course.hardware import backend_for, pick_device
 from course.moe import moe_layer, moe_tokens  # the layer (router + experts) and each rank's tokens
+from course.rundir import claim_run_dir
 
 
 def expert_parallel(moe, x, rank, world_size):
@@ -51,6 +54,9 @@ def main():
     device = pick_device(int(os.environ["LOCAL_RANK"]))  # a GPU per rank if the launcher's plan gives one
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(backend_for(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     moe = moe_layer(world_size, seed=0, width=args.width).to(device)  # the same layer on every rank
@@ -106,6 +112,8 @@ def main():
         print(f"largest difference from one process, all ranks: {worst.item():.1e}", flush=True)
         print(f"counted on rank 0: {summary}; predicted: {predicted}", flush=True)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

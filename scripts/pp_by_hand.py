@@ -16,10 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from course import flag
 from course.args import JobParser, check_gpt_size, output_dir, positive_int
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 
 
 def parse_args():
@@ -97,6 +100,9 @@ def main():
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer)
@@ -152,6 +158,8 @@ def main():
                                     "microbatches": m, "batch_size": args.batch_size, "steps": args.steps,
                                     "ranks": every}, indent=2))
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

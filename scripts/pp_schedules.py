@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
+from course import flag
 from course.args import JobParser, check_gpt_size, output_dir, positive_int
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
 from course.pp_recorder import StageRecorder
+from course.rundir import claim_run_dir
 
 SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
              "interleaved1f1b": pipelining.ScheduleInterleaved1F1B,
@@ -96,6 +99,9 @@ def main():
     device = pick_device(local_rank)
     if device.type != "cpu":
         torch.accelerator.set_device_index(local_rank)
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size, n_layer=args.n_layer, n_embd=args.n_embd)
@@ -145,6 +151,8 @@ def main():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out))
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from course import flag
 from course.args import JobParser, check_size, output_dir, positive_int
+from course.errors import reported_once
+from course.rundir import claim_run_dir
 
 
 class Copy(torch.autograd.Function):
@@ -109,6 +112,9 @@ def main():
     if 4 * args.width % world_size:
         parser.error(f"argument --width: the MLP's 4 x {args.width} hidden columns do not split over {world_size} "
                      "processes")
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group("gloo")  # CPU tensors: the lesson is the collectives, not the device
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -142,6 +148,8 @@ def main():
         (Path(args.run_dir) / "metrics.json.tmp").write_text(json.dumps(result, indent=2))
         os.replace(Path(args.run_dir) / "metrics.json.tmp", Path(args.run_dir) / "metrics.json")
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

@@ -19,10 +19,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import parallel as tp
 
+from course import flag
 from course.args import JobParser, check_gpt_size, output_dir, positive_int
 from course.comm_count import CollectiveCounter, predict_block, predict_tp_step
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 from train_tp import pick_device, tensor_parallel
 
 
@@ -85,6 +88,9 @@ def main():
         parser.error(f"argument --sequence-parallel: the {data.block_size} positions of a sample do not split over "
                      f"{world} processes")
     device = pick_device(int(os.environ["LOCAL_RANK"]))
+    rank = int(os.environ["RANK"])  # rank 0 writes --run-dir, so it claims it (staged: the launcher does)
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     dist.init_process_group(dist.get_default_backend_for_device(device.type))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
@@ -144,6 +150,8 @@ def main():
         os.replace(Path(args.run_dir) / "metrics.json.tmp", Path(args.run_dir) / "metrics.json")
         print(json.dumps({k: result[k] for k in ("step", "block", "bytes_per_rank")}), flush=True)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()
 
 

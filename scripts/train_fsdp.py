@@ -185,7 +185,7 @@ def main():
         # get_state_dict names each tensor as in the plain model ("1.weight"), so the folder loads on any
         # number of ranks and converts to one ordinary file (fsdp_checkpoint.py). DCP writes the metadata last.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "step": step},
+        dcp.save({"model": model_state, "optimizer": optimizer_state, "epoch": torch.tensor(epoch), "step": torch.tensor(step)},
                  checkpoint_id=args.checkpoint)
         dist.barrier()  # FSDP step 5: every rank's pieces on disk, then their checksums (DCP keeps none)
         if rank == 0:

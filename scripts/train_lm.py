@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils.tensorboard import SummaryWriter
 
+from course import flag
 from course.args import (
     JobParser,
     check_gpt_size,
@@ -25,8 +26,10 @@ from course.args import (
     positive_int,
     writable_file,
 )
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 
 NAME = Path(__file__).stem
 
@@ -92,6 +95,8 @@ def save_json(obj, path):
 
 def main():
     args, data = parse_args()
+    with reported_once():  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if flag("COURSE_STAGED") else claim_run_dir(args.run_dir)  # staged: the launcher claims it
     device = pick_device()
     torch.manual_seed(args.seed)  # the same initial weights on every run
     cfg = GPTConfig(vocab_size=data.vocab_size, block_size=data.block_size,
@@ -128,6 +133,8 @@ def main():
                "val_accuracy": val_accuracy, "train_seconds": seconds}, Path(args.run_dir) / "metrics.json")
     print(f"done: {args.steps} steps in {seconds:.1f} s, val loss {val_loss:.4f}, "
           f"exact answers {val_accuracy:.1%}", flush=True)
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
 
 
 if __name__ == "__main__":

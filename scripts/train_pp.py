@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 from torch.utils.tensorboard import SummaryWriter
 
+from course import flag
 from course.args import (
     JobParser,
     check_gpt_size,
@@ -29,9 +30,11 @@ from course.args import (
     positive_int,
     writable_file,
 )
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.gpt_stages import GPTStage
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 
 NAME = Path(__file__).stem
 SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,  # PP step 3: one stage per
@@ -138,6 +141,9 @@ def gather_state(stages, last):  # PP step 5: the last rank collects every stage
 
 def main():
     args, data = parse_args()
+    rank, last = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]) - 1  # PP step 5: the last rank writes
+    with reported_once():  # PP step 5: so it claims --run-dir (course.rundir): a second live run gets one error line
+        claim = None if rank != last or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     local_rank = int(os.environ["LOCAL_RANK"])  # PP step 1: set by torchrun for each process
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -195,6 +201,8 @@ def main():
                "val_accuracy": val_accuracy, "train_seconds": seconds}, Path(args.run_dir) / "metrics.json")
     print(f"done: {args.steps} steps in {seconds:.1f} s, val loss {val_loss:.4f}, "
           f"exact answers {val_accuracy:.1%}", flush=True)
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()  # PP step 1
 
 

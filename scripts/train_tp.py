@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import parallel as tp
 from torch.utils.tensorboard import SummaryWriter
 
+from course import flag
 from course.args import (
     JobParser,
     check_gpt_size,
@@ -29,8 +30,10 @@ from course.args import (
     positive_int,
     writable_file,
 )
+from course.errors import reported_once
 from course.gpt import GPT, GPTConfig, loss_fn
 from course.lm_data import DataError, load_lm_data
+from course.rundir import claim_run_dir
 
 NAME = Path(__file__).stem
 
@@ -134,6 +137,9 @@ def full_state_dict(model):  # TP step 5: every rank joins the gathers; rank 0 s
 
 def main():
     args, data = parse_args()
+    rank = int(os.environ["RANK"])  # TP step 5: rank 0 writes --run-dir, so it claims it
+    with reported_once(rank):  # one live run per --run-dir (course.rundir): a second one gets one error line
+        claim = None if rank or flag("COURSE_STAGED") else claim_run_dir(args.run_dir)
     local_rank = int(os.environ["LOCAL_RANK"])  # TP step 1: set by torchrun for each process
     device = pick_device(local_rank)
     if device.type != "cpu":
@@ -187,6 +193,8 @@ def main():
                "val_accuracy": val_accuracy, "train_seconds": seconds}, Path(args.run_dir) / "metrics.json")
     print(f"done: {args.steps} steps in {seconds:.1f} s, val loss {val_loss:.4f}, "
           f"exact answers {val_accuracy:.1%}", flush=True)
+    if claim is not None:
+        claim.release()  # the run directory is free for the next run
     dist.destroy_process_group()  # TP step 1
 
 

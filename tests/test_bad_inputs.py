@@ -3,11 +3,16 @@ process group; nothing in a DCP folder runs as code; a piece damaged after it wa
 
 The table runs each (script, flag, bad value) in this process, as rank 0 of a made-up torchrun job whose process
 group may not start (course's ``run_main`` and ``no_process_group``, from test_model_parallel_args): one case
-takes well under a second once torch is imported. One case needs real processes (torchrun, 2 gloo ranks):
-what dcp.load itself raises.
+takes well under a second once torch is imported. Two cases need real processes: what dcp.load itself raises
+(torchrun, 2 gloo ranks), and a second plain-torchrun run of train_tp.py into a folder a live one holds (#51.6).
 """
 
+import os
 import pickle
+import socket
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -16,10 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_model_parallel_args import _dcp_folder, _Marker, no_process_group, run_main  # noqa: F401 (a fixture)
 
+from course import import_script
 from course.args import LM_SEED_MAX, SEED_MAX, check_gpt_size, lm_seed, output_dir, seed, writable_file
 from course.dcp_check import MANIFEST, problem, unverified
-from course.launcher import launch
-from course.rundir import claim_run_dir
+from course.launcher import LaunchError, launch
+from course.rundir import LOCK, RunDirBusy, claim_run_dir, live_owner, owner_text
 from course.train_utils import CourseError, check_folder, check_writable, memory_bytes, number, write_manifest
 
 BIG = "1000000000"
@@ -30,11 +36,13 @@ RUN_DIR_SCRIPTS = [("train_lm", 1, []), ("train_tp", 2, []), ("train_pp", 2, [])
                    ("tp_by_hand", 2, []), ("tp_costs", 2, []), ("pp_by_hand", 2, []), ("pp_schedules", 2, []),
                    ("dcp_reshape", 4, ["--save", "{ckpt}"]), ("hsdp_bytes", 4, []), ("mesh_basics", 4, []),
                    ("moe_layer", 2, []), ("shard_memory", 2, []), ("fsdp_checkpoint", 1, ["{dcp}"]),
-                   ("train_fsdp", 2, []), ("train_ddp", 2, []), ("train_flowers", 2, ["--image-size", "16"])]
+                   ("train_fsdp", 2, []), ("train_flowers", 2, ["--image-size", "16"])]
 
 # (script, world size (None: not under torchrun), arguments, words the one error line must hold)
 CASES = [
     *[(s, w, [*a, "--run-dir", "{file}"], ["{file}", "is a file"]) for s, w, a in RUN_DIR_SCRIPTS],
+    *[(s, w, ["--run-dir", "{file}"], ["argument --run-dir", "{file}", "File exists"]) for s, w in  # plain torch
+      (("train_single", 1), ("train_ddp", 2))],
     ("train_lm", 1, ["--run-dir", f"{UNWRITABLE}/run"], ["--run-dir", "cannot write"]),
     ("train_fsdp", 2, ["--run-dir", f"{UNWRITABLE}/run"], ["cannot write", UNWRITABLE]),
     ("train_lm", 1, ["--save", f"{UNWRITABLE}/lm.pt"], ["--save", "cannot write"]),
@@ -54,8 +62,8 @@ CASES = [
     ("train_fsdp", 2, ["--lr", "nan"], ["--lr", "finite"]),
     ("train_lm", 1, ["--seed", OVER_64_BITS], ["--seed", "<="]),
     ("train_2d", 4, ["--seed", OVER_64_BITS], ["--seed", "<="]),
-    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "<="]) for s, w in (("train_single", 1), ("train_ddp", 2),
-                                                                  ("train_fsdp", 2), ("train_flowers", 2))],
+    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "<="]) for s, w in (("train_fsdp", 2), ("train_flowers", 2))],
+    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "2**63"]) for s, w in (("train_single", 1), ("train_ddp", 2))],
     ("train_lm", 1, ["--n-layer", BIG], ["--n-layer", "needs about", "this machine has"]),
     ("train_lm", 1, ["--n-embd", BIG], ["--n-embd", "needs about", "this machine has"]),
     ("train_tp", 2, ["--n-embd", BIG], ["--n-embd", "needs about"]),
@@ -252,3 +260,123 @@ def test_fsdp_checkpoint_on_a_foreign_checkpoint_is_one_line_under_torchrun(tmp_
     assert result.returncode != 0 and len(errors) == 1 and "could not be loaded" in errors[0], result.output
     assert f"checkpoint {folder} has no {MANIFEST}" in result.output and "weights_only" not in result.output
     assert not [line for line in result.output.splitlines() if line.startswith("[rank") and "Traceback" in line]
+
+
+# ---------------------------------------------------------------------- one live run per run directory (#51.6)
+
+# The scripts of 08 and 10-12 that write into --run-dir under plain torchrun (train_fsdp.py, like the take-home
+# scripts, does not claim it yet); each claims it before its process group, on the rank that writes it.
+CLAIMING = [(s, w, a) for s, w, a in RUN_DIR_SCRIPTS if s not in ("train_fsdp", "train_ddp", "train_flowers")]
+WRITER = {"train_pp": "last"}  # the rank that writes the run directory, where it is not rank 0
+
+
+class _Reached(Exception):
+    """The script reached its process group (train_lm, one process: its device): as far as the case goes."""
+
+
+def _close_claims(folder: Path) -> None:
+    """Close this process's open claim on ``folder`` (the script's Claim, left open when _Reached stopped it)."""
+    try:
+        lock = os.stat(folder / LOCK)
+    except FileNotFoundError:
+        return
+    for fd in os.listdir("/dev/fd"):
+        try:
+            if os.fstat(int(fd)).st_ino == lock.st_ino and os.fstat(int(fd)).st_dev == lock.st_dev:
+                os.close(int(fd))
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["plain torchrun", "under the launcher"])
+@pytest.mark.parametrize("script, world, argv", CLAIMING, ids=[c[0] for c in CLAIMING])
+def test_each_script_claims_its_run_dir_before_the_process_group(script, world, argv, staged, places, tmp_path,
+                                                                 monkeypatch):
+    """Run as the rank that writes, each script holds its --run-dir (course.rundir's claim, this process the
+    owner) by the time it starts the process group; under course.launcher (COURSE_STAGED=1), which holds the
+    claim itself, it takes none."""
+    import torch.distributed as dist
+    from torch.distributed import device_mesh
+
+    run_dir = tmp_path / "run"
+    seen = []
+
+    def reached(*args, **kwargs):
+        seen.append(live_owner(run_dir))
+        raise _Reached
+
+    for module, name in [(dist, "init_process_group"), (dist.distributed_c10d, "init_process_group"),
+                         (device_mesh, "init_device_mesh")]:
+        monkeypatch.setattr(module, name, reached)
+    module = import_script(script)
+    if script == "train_lm":
+        monkeypatch.setattr(module, "pick_device", reached)
+    rank = world - 1 if WRITER.get(script) == "last" else 0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # this process looks at its own claim: not one job
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+                        "COURSE_STAGED": int(staged)}.items():
+        monkeypatch.setenv(name, str(value))
+    filled = [str(places.get(a, a)) for a in argv]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *filled, "--run-dir", str(run_dir)])
+    try:
+        with pytest.raises(_Reached):
+            module.main()
+    finally:
+        _close_claims(run_dir)
+    assert seen == [None if staged else owner_text()]
+
+
+def test_a_second_plain_torchrun_run_of_train_tp_into_a_live_runs_folder_is_refused_in_one_line(tmp_path):
+    """The issue's case: train_tp.py under plain torchrun (the course launcher without run_dir= is torchrun and
+    nothing more) holds --run-dir while it trains; a second job into the same folder ends with one error line
+    naming it and its owner, before any process group, and writes nothing there. One process each, to keep it
+    cheap (test_once_per_job_under_torchrun: the line is said once by a job of 2)."""
+    run_dir, stop, first = tmp_path / "run", threading.Event(), {}
+
+    def hold():
+        try:
+            first["result"] = launch("train_tp.py", nproc=1, timeout=300, check=False, stop=stop, quiet=True,
+                                     args=["--steps", "100000", "--log-every", "100000", "--save", "",
+                                           "--run-dir", run_dir], on_line=lambda _: None)
+        except LaunchError as stopped:  # "job stopped": what stop= does
+            first["stopped"] = stopped
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 120
+        while (owner := live_owner(run_dir)) is None and holder.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert owner is not None, f"the first run never claimed {run_dir}: {first}"
+        second = launch("train_tp.py", nproc=1, args=["--steps", "1", "--save", "", "--run-dir", run_dir],
+                        timeout=120, check=False, quiet=True, on_line=lambda _: None)
+    finally:
+        stop.set()
+        holder.join(60)
+    errors = [line for line in second.output.splitlines() if "error:" in line]
+    assert second.returncode != 0 and len(errors) == 1, second.output
+    assert f"{run_dir} is in use by a live run ({owner})" in errors[0], errors[0]
+    assert "rank 0 exited with code 2" in second.failure, second.failure
+    assert not [line for line in second.output.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert not (run_dir / "metrics.json").exists() and "stopped" in first, first
+    assert live_owner(run_dir) is None  # the first run stopped: its claim went with it
+
+
+def test_a_claim_by_a_rank_of_the_same_torchrun_job_is_not_another_live_run(tmp_path, monkeypatch):
+    """The rank that writes claims --run-dir right after parsing its flags; the job's other ranks may parse later,
+    and JobParser's look (live_owner) must not take their own job's claim for another run. The claim records the
+    torchrun job (TORCHELASTIC_RUN_ID, a fresh uuid per --standalone job); another job, or a process outside
+    torchrun, still sees it busy, and the error names only "host pid"."""
+    run_dir = tmp_path / "run"
+    me = f"{socket.gethostname()} {os.getpid()}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    with claim_run_dir(run_dir):
+        assert (run_dir / LOCK).read_text() == f"{me}\njob job-a"
+        assert live_owner(run_dir) is None  # a rank of job-a, looking after its own job claimed
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+        assert live_owner(run_dir) == me
+        with pytest.raises(RunDirBusy) as busy:
+            claim_run_dir(run_dir)
+        assert f"in use by a live run ({me})" in str(busy.value) and "\n" not in str(busy.value)
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert live_owner(run_dir) == me

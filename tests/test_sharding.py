@@ -137,13 +137,17 @@ def test_timing_goes_through_compare(memory):
 
 
 def test_fsdp2_trains_the_same_model_as_one_process(notebook_08, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from course.dcp_check import dcp_to_torch_save, problem, read_metadata  # weights-only for non-tensors
 
     single, fsdp = notebook_08.metrics("equivalence/single"), notebook_08.metrics("equivalence/fsdp")
     n, dcp = fsdp["world_size"], WEIGHTS / "08_sharding_fsdp" / "train_fsdp"
     assert n >= 2 and fsdp["global_batch"] == 64 and fsdp["bf16"] is False
     assert sorted(p.name for p in dcp.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(n)), "sha256.json"]
     notebook_08.written(dcp / ".metadata")
+    kinds = read_metadata(dcp).state_dict_metadata  # epoch and step saved as tensors: no pickle to unpickle
+    assert all(isinstance(kinds[k], TensorStorageMetadata) for k in ("epoch", "step")) and problem(dcp) is None
     losses = list(zip(single["train_loss_history"], fsdp["train_loss_history"]))
     steps = len(losses)
     assert steps >= 20 and max(abs(a[1] - b[1]) / a[1] for a, b in losses) <= 1e-4

@@ -51,13 +51,25 @@ class Claim:
         self.release()
 
 
+def _job_line() -> str:
+    """The torchrun job this process belongs to (torchrun's run id: a fresh uuid with --standalone), or ''."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"job {job}" if job else ""
+
+
 def owner_text() -> str:
-    return f"{socket.gethostname()} {os.getpid()}"
+    """What a claim writes into ``.lock``: "host pid" (what an error shows), then the claimant's torchrun job."""
+    return f"{socket.gethostname()} {os.getpid()}\n{_job_line()}".strip()
+
+
+def _shown(text: str) -> str:
+    return text.strip().split("\n")[0].strip() or "another process"
 
 
 def live_owner(run_dir: str | os.PathLike) -> str | None:
     """Who holds ``run_dir`` now (a live run's owner text), or None: a look before a job starts, so that every
-    rank can refuse a busy run directory with one line before any process group (the claim stays the guard)."""
+    rank can refuse a busy run directory with one line before any process group (the claim stays the guard).
+    A claim by a rank of this same torchrun job is not another run: None (its other ranks look after it claimed)."""
     try:
         theirs = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
     except OSError:
@@ -67,7 +79,10 @@ def live_owner(run_dir: str | os.PathLike) -> str | None:
         fcntl.flock(theirs, fcntl.LOCK_UN)
         return None  # a lock left by a run that is gone
     except BlockingIOError:
-        return os.pread(theirs, 200, 0).decode(errors="replace").strip() or "another process"
+        text = os.pread(theirs, 200, 0).decode(errors="replace")
+        if _job_line() and _job_line() in text.split("\n")[1:]:
+            return None  # our own job's claim
+        return _shown(text)
     finally:
         os.close(theirs)
 
@@ -102,7 +117,7 @@ def claim_run_dir(run_dir: str | os.PathLike, attempts: int = 50) -> Claim:
                 try:
                     fcntl.flock(theirs, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    owner = os.pread(theirs, 200, 0).decode(errors="replace").strip()
+                    owner = _shown(os.pread(theirs, 200, 0).decode(errors="replace"))
                     raise RunDirBusy(f"run directory {run_dir} is in use by a live run ({owner}); "
                                      "wait for it, stop it, or pass another --run-dir") from None
                 try:
