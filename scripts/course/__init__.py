@@ -1,6 +1,7 @@
 """Shared helpers for the course: one module per concern.
 
-Used by the training scripts (import only what a training process needs):
+The core path's scripts (train_single.py, train_ddp.py) are plain PyTorch and import none of these.
+Used by the other training scripts (import only what a training process needs):
 - ``course.hardware``    which device and backend a process uses: the one rule, for every accelerator
 - ``course.data``        load the datasets (generated, or real ones via COURSE_*_DIR)
 - ``course.models``      the MLP, a small CNN and ResNet-18
@@ -20,7 +21,8 @@ Used by the training scripts (import only what a training process needs):
 - ``course.comm_count``  collectives and bytes a piece of code runs, counted and predicted (notebooks 10, 12)
 - ``course.moe``         the mixture-of-experts layer of notebook 12 and exercise 9
 - ``course.rundir``      one live run per run directory (an atomic claim), results replaced all at once
-- ``course.dcp_check``   is a DCP checkpoint folder whole: one line saying which and what is wrong (notebook 12)
+- ``course.dcp_check``   is a DCP checkpoint folder whole, and does it hold only data: one line saying what is wrong;
+  the weights-only load planner every DCP load of the course uses (notebooks 08, 12)
 Used by notebooks and tests:
 - ``course.datagen``     generate the offline datasets (``make data``); ``course.flower_art`` draws one flower
 - ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
