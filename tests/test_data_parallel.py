@@ -4,6 +4,7 @@ the ring all-reduce simulation gives the sum and sends 2(N-1)/N of the tensor pe
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -23,8 +24,8 @@ def test_train_dp_runs_as_one_process_and_saves_plain_keys():
     """Read from notebook 02's headless run (quick: 100 steps on MNIST), which launches train_dp.py once."""
     run = executed_notebook("02_data_parallel").require_ok()
     m = run.metrics("mnist_dp")
-    assert m["script"] == "train_dp" and m["world_size"] == 1 and m["steps"] == 100
-    assert m["timed_steps"] == 100 - m["warmup_steps"] and m["samples_per_s"] > 0
+    assert m["world_size"] == 1 and m["steps"] == 100 and m["samples_per_s"] > 0
+    assert [step for step, _ in m["train_loss_history"]] == list(range(10, 101, 10))
     assert not any(math.isnan(loss) for _, loss in m["train_loss_history"])
     assert m["dp_device_ids"] == list(range(torch.cuda.device_count()))
     assert 0.5 < m["val_accuracy"] <= 1.0 and m["val_total"] == 10000
@@ -76,16 +77,22 @@ def test_dataparallel_without_gpus_is_a_silent_pass_through_with_prefixed_keys()
 
 
 def test_train_dp_refuses_more_than_one_process(datasets, tmp_path):
+    """Started as 2 ranks, every copy stops before training with argparse's one error line (exit status 2)."""
     result = launch("train_dp.py", nproc=2, timeout=120, run_dir=tmp_path / "run", check=False, quiet=True,
                     on_line=lambda _: None, args=["--max-steps", 1, "--checkpoint", tmp_path / "never.pt"])
-    assert result.returncode != 0
-    assert result.output.count("one process for all GPUs") == 1  # reported once, by rank 0
-    assert not (tmp_path / "never.pt").exists()
+    assert result.returncode != 0 and re.search(r"exitcode\s*: 2\b", result.output), result.output[-3000:]
+    said = {line.split(":", 1)[1] for line in result.output.splitlines() if re.match(r"\[rank\d\]:.*error:", line)}
+    refusal = "train_dp.py: error: train_dp.py is one process for all GPUs (DP); for several processes, use train_ddp.py"
+    assert said == {refusal}, result.output[-3000:]
+    assert not (tmp_path / "never.pt").exists() and "training images" not in result.output
 
 
 def test_train_dp_differs_from_train_single_only_in_marked_lines():
     diff = script_diff("train_single.py", "train_dp.py", marker=r"\bDP\b|DataParallel", context=0)
     assert diff.hunks and not diff.unmarked, diff.unmarked
+    assert "nn.DataParallel(model)" in diff.text() and "model.module.state_dict()" in diff.text()
+    dp = (course.SCRIPTS / "train_dp.py").read_text()  # plain, like train_single.py: no course module
+    assert "from course" not in dp and "import course" not in dp
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])

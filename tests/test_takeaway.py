@@ -23,7 +23,8 @@ from course import ROOT, SCRIPTS
 
 TAKE_HOME = ("train_single.py", "train_ddp.py", "train_fsdp.py", "train_flowers.py", "train_resumable.py",
              "train_dp.py")
-PLAIN = ("train_single.py", "train_ddp.py")  # the core path's: torch, torchvision and tensorboard, nothing else
+CORE = ("train_single.py", "train_ddp.py")  # the core path's: torch, torchvision and tensorboard, nothing else
+PLAIN = (*CORE, "train_dp.py", "train_resumable.py")  # and those whose diff from a core script is the lesson
 TINY_FLOWERS = 8  # images per class: 40 images, 32 training, 8 validation
 
 RUNS = {  # script: (its arguments, the checkpoint it writes, relative to the project)
@@ -82,7 +83,7 @@ def test_the_core_scripts_import_torch_torchvision_tensorboard_and_the_standard_
         assert "course/" not in (SCRIPTS / script).read_text().split('"""')[1], f"{script}: nothing to copy beside it"
 
 
-@pytest.mark.parametrize("script", PLAIN)
+@pytest.mark.parametrize("script", CORE)
 def test_a_core_script_runs_copied_alone_into_an_empty_folder(script, datasets, tmp_path):
     """train_single.py on 1 process, train_ddp.py on 2 (32 each: global batch 64), under plain torchrun from an
     empty folder holding only the script: they learn, rank 0 alone writes, the checkpoint holds the unwrapped
