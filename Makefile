@@ -50,6 +50,7 @@ bench: data
 	$(PY) -m course.bench_checker
 	$(PY) -m course.bench_doctor
 	$(PY) -m course.bench_doctor_public
+	$(PY) -m course.bench_report
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

@@ -68,9 +68,11 @@ def place_problems(cells) -> list[str]:
 
 
 def readme_section() -> str:
+    """The README's ``## 中文简介`` section, to the next section or the end of the file."""
     text = times.README.read_text()
     start = text.index("\n## 中文简介\n")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -1,4 +1,4 @@
-"""`make gpu-check` on a machine without CUDA says so and succeeds; with CUDA it is run by hand (see README)."""
+"""`make gpu-check` on a machine without CUDA says so and succeeds; with CUDA it is run by hand (see docs/hardware.md)."""
 
 import json
 import subprocess

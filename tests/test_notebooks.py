@@ -35,7 +35,7 @@ def test_committed_notebook_has_no_outputs(path):
 def test_every_glossary_link_has_its_entry():
     glossary = (ROOT / "notebooks" / "glossary.md").read_text()
     entries = set(re.findall(r'<a id="([^"]+)"></a>', glossary))
-    links = {(p.name, slug) for p in [*NOTEBOOKS, ROOT / "README.md"]
+    links = {(p.name, slug) for p in [*NOTEBOOKS, ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
              for slug in re.findall(r"glossary\.md#([\w-]+)", p.read_text())}
     links |= {("glossary.md", slug) for slug in re.findall(r"\]\(#([\w-]+)\)", glossary)}
     assert len(entries) > 60 and not {(name, slug) for name, slug in links if slug not in entries | {"slug"}}

@@ -46,6 +46,7 @@ Used by notebooks and tests:
 - ``course.bench_launcher`` / ``course.bench_noise`` / ``course.bench_checker`` / ``course.bench_doctor``
   benchmarks (``make bench``): the launcher's overhead; no faster/slower verdict for equal work and always one for
   a large difference; how often the exercise checker and the doctor are right, and what the recorder costs
+- ``course.bench_report``  the benchmarks' figures into docs/benchmarks.json and the marked blocks of the README and docs/
 - ``course.setup_torch``  ``make setup TORCH=cpu``: PyTorch's CPU-only build where its index answers
 """
 

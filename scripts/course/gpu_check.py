@@ -107,7 +107,7 @@ def topology_lines(found: dict) -> list[str]:
             lines += [f"- {name}:", "", "```", part["output"], "```", ""]
     lines.append("A multi-GPU job that hangs at its first collective with P2P reported is the known symptom of "
                  "P2P that is reported but broken (PCIe ACS, IOMMU, some consumer cards): try NCCL_P2P_DISABLE=1 "
-                 "(README, \"The hardware learners have\").")
+                 "(docs/hardware.md).")
     return lines
 
 

@@ -85,9 +85,11 @@ def figures(entry: dict) -> list[str]:
 
 
 def core_sentence(times: dict, core: list[str]) -> str:
+    """The README's sentence under the table: the learner minutes of the core rows (path cell "core..."), 09
+    counted for its core part only, as its learner time is (times.json's note on it)."""
     total = sum(times["notebooks"][stem]["learner_min"] for stem in core)
     return (f"The core path adds up to about {total // 60} h {total % 60} min for a learner (estimate), "
-            "09's three core exercises included.")
+            "with only exercise 1 of 09 included.")
 
 
 def readme_rows(text: str) -> dict[str, list[str]]:
