@@ -7,6 +7,7 @@ its own shard. With --export, rank 0 then writes one ordinary file that a plain 
 with torch.load(path, weights_only=True).
 
     torchrun --standalone --nproc-per-node=1 scripts/fsdp_checkpoint.py weights/train_fsdp --export weights/train_fsdp.pt
+    torchrun --standalone --nproc-per-node=2 scripts/fsdp_checkpoint.py weights/train_fsdp --model cnn  # if saved so
 """
 import argparse
 import os
@@ -15,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,24 +26,23 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Subset
+from torchvision import datasets, transforms
 
 from course.args import JobParser, repo_output_dir, repo_path, repo_writable_file
 from course.checkpoint import save_checkpoint
-from course.data import build_datasets
 from course.dcp_check import WeightsOnlyPlanner, load_failure, problem, read_metadata, unverified
 from course.errors import record, reported_once
 from course.hardware import backend_for, pick_device
-from course.models import DEFAULT_MODEL, build_model
 from course.runlog import RunLog
-from course.sharding import blocks, local_bytes
+from course.sharding import local_bytes
 
 
 @record
 def main():
     parser = JobParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=repo_path, help="a DCP folder written by train_fsdp.py")
-    parser.add_argument("--dataset", choices=["mnist", "flowers"], default="mnist", help="as when it was saved")
-    parser.add_argument("--model", choices=["mlp", "cnn", "resnet18"], help="as when it was saved")
+    parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="as when it was saved")
+    parser.add_argument("--data-dir", type=repo_path, default="data/mnist", help="holds MNIST/raw/ (validation)")
     parser.add_argument("--export", type=repo_writable_file, help="write the whole model here, as one ordinary file")
     parser.add_argument("--run-dir", type=repo_output_dir, default="runs/fsdp_checkpoint")
     args = parser.parse_args()
@@ -55,18 +56,29 @@ def main():
     device = pick_device(int(os.environ["LOCAL_RANK"]))
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
-    with reported_once(rank):  # a missing dataset or a busy run directory: one line, before the group starts
-        _, val_set, num_classes = build_datasets(args.dataset)
+    normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    try:  # as train_fsdp.py reads it
+        val_set = datasets.MNIST(args.data_dir, train=False, transform=normalize)
+    except RuntimeError as error:  # "Dataset not found": one line, before the group starts
+        parser.error(f"argument --data-dir: {args.data_dir}: {error}")
+    with reported_once(rank):  # a busy run directory: one line, before the group starts
         log = RunLog(args.run_dir, enabled=rank == 0, script="fsdp_checkpoint", world_size=world_size,
                      checkpoint=str(args.checkpoint), export=str(args.export) if args.export else None)
     dist.init_process_group(backend_for(device))
     mesh = init_device_mesh(device.type, (world_size,))
 
-    # The same model, sharded the same way, but over *this* job's ranks; and the same kind of optimizer,
+    # train_fsdp.py's model, sharded the same way, but over *this* job's ranks; and the same kind of optimizer,
     # so that its state (SGD's momentum) has somewhere to go.
-    model = build_model(args.model or DEFAULT_MODEL[args.dataset], num_classes).to(device)
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh)
+    if args.model == "mlp":
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    else:
+        model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(32 * 7 * 7, 10))
+    model = model.to(device)
+    for layer in model:  # the layers that hold weights, then the root
+        if list(layer.parameters()):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 

@@ -36,15 +36,17 @@ RUN_DIR_SCRIPTS = [("train_lm", 1, []), ("train_tp", 2, []), ("train_pp", 2, [])
                    ("tp_by_hand", 2, []), ("tp_costs", 2, []), ("pp_by_hand", 2, []), ("pp_schedules", 2, []),
                    ("dcp_reshape", 4, ["--save", "{ckpt}"]), ("hsdp_bytes", 4, []), ("mesh_basics", 4, []),
                    ("moe_layer", 2, []), ("shard_memory", 2, []), ("fsdp_checkpoint", 1, ["{dcp}"]),
-                   ("train_fsdp", 2, []), ("train_flowers", 2, ["--image-size", "16"])]
+                   ("train_flowers", 2, ["--image-size", "16"])]
 
 # (script, world size (None: not under torchrun), arguments, words the one error line must hold)
 CASES = [
     *[(s, w, [*a, "--run-dir", "{file}"], ["{file}", "is a file"]) for s, w, a in RUN_DIR_SCRIPTS],
     *[(s, w, ["--run-dir", "{file}"], ["argument --run-dir", "{file}", "File exists"]) for s, w in  # plain torch
-      (("train_single", 1), ("train_ddp", 2))],
+      (("train_single", 1), ("train_ddp", 2), ("train_fsdp", 2))],
     ("train_lm", 1, ["--run-dir", f"{UNWRITABLE}/run"], ["--run-dir", "cannot write"]),
-    ("train_fsdp", 2, ["--run-dir", f"{UNWRITABLE}/run"], ["cannot write", UNWRITABLE]),
+    ("train_fsdp", 2, ["--run-dir", f"{UNWRITABLE}/run"], ["argument --run-dir", "cannot create", UNWRITABLE]),
+    ("train_fsdp", 2, ["--checkpoint", "{file}"], ["argument --checkpoint", "{file}", "is a file"]),  # a DCP folder
+    ("train_fsdp", 2, ["--checkpoint", "{file}/ck"], ["argument --checkpoint", "cannot create", "{file}/ck"]),
     ("train_lm", 1, ["--save", f"{UNWRITABLE}/lm.pt"], ["--save", "cannot write"]),
     ("train_tp", 2, ["--save", f"{UNWRITABLE}/tp.pt"], ["--save", "cannot write"]),
     ("train_pp", 2, ["--save", f"{UNWRITABLE}/pp.pt"], ["--save", "cannot write"]),
@@ -59,11 +61,12 @@ CASES = [
     ("train_pp", 2, ["--lr", "inf"], ["--lr", "finite"]),
     ("dcp_reshape", 4, ["--save", "{ckpt}", "--lr", "inf"], ["--lr", "finite"]),
     ("pitfall_pp_hang", 2, ["--timeout", "inf"], ["--timeout", "finite"]),
-    ("train_fsdp", 2, ["--lr", "nan"], ["--lr", "finite"]),
+    ("train_fsdp", 2, ["--lr", "nan"], ["argument --lr", "nan", "(0, 10)"]),
     ("train_lm", 1, ["--seed", OVER_64_BITS], ["--seed", "<="]),
     ("train_2d", 4, ["--seed", OVER_64_BITS], ["--seed", "<="]),
-    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "<="]) for s, w in (("train_fsdp", 2), ("train_flowers", 2))],
-    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "2**63"]) for s, w in (("train_single", 1), ("train_ddp", 2))],
+    ("train_flowers", 2, ["--seed", OVER_64_BITS], ["--seed", "<="]),
+    *[(s, w, ["--seed", OVER_64_BITS], ["--seed", "2**63"]) for s, w in (("train_single", 1), ("train_ddp", 2),
+                                                                           ("train_fsdp", 2))],
     ("train_lm", 1, ["--n-layer", BIG], ["--n-layer", "needs about", "this machine has"]),
     ("train_lm", 1, ["--n-embd", BIG], ["--n-embd", "needs about", "this machine has"]),
     ("train_tp", 2, ["--n-embd", BIG], ["--n-embd", "needs about"]),
@@ -264,8 +267,8 @@ def test_fsdp_checkpoint_on_a_foreign_checkpoint_is_one_line_under_torchrun(tmp_
 
 # ---------------------------------------------------------------------- one live run per run directory (#51.6)
 
-# The scripts of 08 and 10-12 that write into --run-dir under plain torchrun (train_fsdp.py, like the take-home
-# scripts, does not claim it yet); each claims it before its process group, on the rank that writes it.
+# The scripts of 08 and 10-12 that write into --run-dir under plain torchrun (train_fsdp.py, plain torch like the
+# take-home scripts, does not claim it); each claims it before its process group, on the rank that writes it.
 CLAIMING = [(s, w, a) for s, w, a in RUN_DIR_SCRIPTS if s not in ("train_fsdp", "train_ddp", "train_flowers")]
 WRITER = {"train_pp": "last"}  # the rank that writes the run directory, where it is not rank 0
 

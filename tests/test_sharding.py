@@ -67,6 +67,35 @@ def test_train_fsdp_is_train_ddp_plus_six_marked_steps():
     assert not diff.unmarked, diff.unmarked
 
 
+def test_notebook_08_step_cells_quote_the_script():
+    """Every code line section 3 of notebook 08 shows is in train_fsdp.py (so they cannot drift apart), and its
+    six steps are there in order."""
+    import nbformat
+
+    script = (ROOT / "scripts" / "train_fsdp.py").read_text()
+    cells = [c.source for c in nbformat.read(ROOT / "notebooks" / "08_sharding_fsdp.ipynb", as_version=4).cells
+             if c.cell_type == "markdown" and "### Step 1:" in c.source]
+    assert len(cells) == 1
+    assert [line.split(":")[0] for line in cells[0].splitlines() if line.startswith("### Step ")] == \
+        [f"### Step {n}" for n in range(1, 7)]
+    blocks_shown = [part.split("```", 1)[0] for part in cells[0].split("```python\n")[1:]]
+    assert len(blocks_shown) == 4  # steps 1, 3, 5 and 6
+    for block in blocks_shown:
+        for line in block.splitlines():
+            for fragment in line.split("  #", 1)[0].strip().split("..."):
+                fragment = fragment.strip(" ,()")
+                assert fragment in script, f"{fragment!r} is not in train_fsdp.py"
+
+
+def test_fsdp_checkpoint_builds_train_fsdps_models():
+    """fsdp_checkpoint.py loads what train_fsdp.py saved only if it builds the same modules: its model lines
+    are the script's, for both --model choices."""
+    lines = {name: [line.strip() for line in (ROOT / "scripts" / name).read_text().splitlines()]
+             for name in ("train_fsdp.py", "fsdp_checkpoint.py")}
+    model = [line for line in lines["train_fsdp.py"] if line.startswith(("model = nn.Sequential(", "nn."))]
+    assert len(model) == 4 and all(line in lines["fsdp_checkpoint.py"] for line in model), model
+
+
 @pytest.fixture(scope="module")
 def notebook_08():
     """Notebook 08's headless run (shared with tests/test_notebooks.py): shard_memory.py on ResNet-18 and the

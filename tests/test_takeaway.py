@@ -2,7 +2,8 @@
 
 The core path's scripts (train_single.py, train_ddp.py) are plain PyTorch: copied alone into an empty folder, run
 on 1 and 2 gloo processes in an environment where importing ``course`` fails, they train, learn and report as they
-should (each run once). The deep dives' take-home scripts come with exactly the files their docstring says to copy
+should (each run once). train_fsdp.py (notebook 08) is plain PyTorch too: copied alone, on 2 ranks, its DCP
+folder verifies against its sha256.json and joins into the plain model. The deep dives' take-home scripts come with exactly the files their docstring says to copy
 (course/__init__.py empty, course/data.py, course/models.py, course/train_utils.py), in an environment where the
 course itself is importable too: the copy's course/ must win, and its __pycache__ shows what was imported. Then the
 newcomer's mistakes: the course/__init__.py left out, no --data-dir outside the course, python train_ddp.py without
@@ -24,11 +25,10 @@ from course import ROOT, SCRIPTS
 TAKE_HOME = ("train_single.py", "train_ddp.py", "train_fsdp.py", "train_flowers.py", "train_resumable.py",
              "train_dp.py")
 CORE = ("train_single.py", "train_ddp.py")  # the core path's: torch, torchvision and tensorboard, nothing else
-PLAIN = (*CORE, "train_dp.py", "train_resumable.py")  # and those whose diff from a core script is the lesson
+PLAIN = (*CORE, "train_dp.py", "train_resumable.py", "train_fsdp.py")  # and those whose diff from a core script is the lesson
 TINY_FLOWERS = 8  # images per class: 40 images, 32 training, 8 validation
 
 RUNS = {  # script: (its arguments, the checkpoint it writes, relative to the project)
-    "train_fsdp.py": (["--max-steps", "6", "--epochs", "1", "--batch-size", "32"], "weights/train_fsdp/.metadata"),
     "train_flowers.py": (["--epochs", "1", "--image-size", "32", "--global-batch", "8", "--batch-size", "4",
                           "--show-images", "4", "--log-every", "2"], "weights/train_flowers/last.pt"),
 }
@@ -114,6 +114,47 @@ def test_a_core_script_runs_copied_alone_into_an_empty_folder(script, datasets, 
     assert not (ROOT / "runs" / "mine").exists()
 
 
+def test_train_fsdp_runs_copied_alone_into_an_empty_folder(datasets, tmp_path):
+    """train_fsdp.py on 2 gloo processes (32 each) under plain torchrun from an empty folder holding only the
+    script, importing the course impossible: it learns, rank 0 alone writes the run directory, every rank its
+    shards; the folder's sha256.json is what the course writes and checks (course.dcp_check), and the folder
+    joins into one file that the plain nn.Sequential loads."""
+    from torch import nn
+
+    from course.dcp_check import MANIFEST, dcp_to_torch_save, problem, unverified
+    from course.train_utils import write_manifest
+
+    root = tmp_path / "project"
+    root.mkdir()
+    shutil.copy(SCRIPTS / "train_fsdp.py", root)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    args = ["--max-steps", "100", "--epochs", "1", "--batch-size", "32", "--log-every", "50"]
+    result = subprocess.run([*torchrun, "train_fsdp.py", *args, "--data-dir", str(datasets / "mnist"), "--run-dir",
+                             "runs/mine"], cwd=root, env=without_the_course(tmp_path), capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    m = json.loads((root / "runs" / "mine" / "metrics.json").read_text())
+    assert len(list((root / "runs" / "mine").glob("events.out.tfevents.*"))) == 1, "one writer: rank 0"
+    assert (m["world_size"], m["backend"], m["device"], m["steps"], m["global_batch"]) == (2, "gloo", "cpu", 100, 64)
+    assert (m["bf16"], m["reshard_after_forward"]) == (False, True)  # a CPU: fp32
+    assert m["val_accuracy"] > 0.8 and m["train_loss_history"][-1][1] < m["train_loss_history"][0][1] < 5
+    assert m["val_total"] == 10000 and [s for s, _ in m["train_loss_history"]] == [50, 100]
+    assert result.stdout.count("val accuracy") == 2, "the epoch line and the last line, from rank 0 only"
+
+    folder = root / "weights" / "train_fsdp"
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
+    assert problem(folder) is None and unverified(folder) is None  # its manifest checks out
+    ours = (folder / MANIFEST).read_text()
+    assert json.loads(ours) == json.loads(write_manifest(folder, "course.json").read_text())  # the course's format
+    dcp_to_torch_save(folder, tmp_path / "joined.pt")
+    joined = torch.load(tmp_path / "joined.pt", weights_only=True)
+    assert int(joined["step"]) == 100 and int(joined["epoch"]) == 0
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    plain.load_state_dict(joined["model"])  # strict: the plain model's names, whole tensors
+    assert not list(root.rglob("*.tmp")), "no temporary file left"
+    assert not (ROOT / "runs" / "mine").exists()
+
+
 def tiny_flowers(root):
     for name in ("daisy", "dandelion", "roses", "sunflowers", "tulips"):
         (root / name).mkdir(parents=True)
@@ -123,8 +164,9 @@ def tiny_flowers(root):
 
 
 def test_every_take_home_script_names_the_same_four_files_to_copy():
-    """The list a learner follows is in each script's docstring (its --help) and in the README, alike; a script
-    that names none imports nothing of the course."""
+    """The list a learner follows is in each script's docstring (its --help) and in docs/take-home.md, alike; a
+    script that names none imports nothing of the course. The page names the scripts that need the files, and no
+    other take-home script, in the section that lists them."""
     expected = ["course/__init__.py", "course/data.py", "course/models.py", "course/train_utils.py"]
     for script in TAKE_HOME:
         text = (SCRIPTS / script).read_text()
@@ -132,8 +174,12 @@ def test_every_take_home_script_names_the_same_four_files_to_copy():
             assert files_to_copy(script) == expected, script
         else:
             assert "from course" not in text and "import course" not in text, script
-    readme = (ROOT / "README.md").read_text()
-    assert all(f"`{name}`" in readme for name in expected)
+    page = (ROOT / "docs" / "take-home.md").read_text()
+    section = page[page.index("## The capstone: copy four course files"):page.index("## Launched the wrong way")]
+    assert all(f"`{name}`" in section for name in expected)
+    needing = {script for script in TAKE_HOME if files_to_copy(script)}
+    assert needing and {s for s in TAKE_HOME if f"`{s}`" in section} == needing, needing
+    assert all(f"`{s}`" in page[:page.index("## The capstone")] for s in set(TAKE_HOME) - needing)
 
 
 @pytest.mark.parametrize("script", list(RUNS))
@@ -161,7 +207,7 @@ def test_a_take_home_script_runs_copied_alone(script, datasets, tmp_path):
     assert (metrics["backend"], metrics["device"]) == ("gloo" if nproc > 1 else None, "cpu")
     assert metrics["steps"] > 0 and metrics["timed_steps"] > 0 and metrics["samples_per_s"] > 0
     assert metrics["train_loss_history"] and 0 <= metrics["val_accuracy"] <= 1
-    val_total = 8 if script == "train_flowers.py" else 10000 - (10000 % 2 if script == "train_fsdp.py" else 0)
+    val_total = 8 if script == "train_flowers.py" else 10000
     total = metrics.get("val_total", sum(map(sum, metrics.get("confusion", []))))
     assert total == val_total, "every validation image counted once"
     assert (root / checkpoint).is_file()

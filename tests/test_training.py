@@ -158,7 +158,7 @@ def test_unwritable_checkpoint_fails_at_start_naming_the_path(datasets, tmp_path
         assert str(cases[name].parent) in lines[0] and "training images" not in out, (name, err)
 
 
-PLAIN = {"train_single.py", "train_ddp.py", "train_dp.py", "train_resumable.py"}  # plain torch: argparse's errors
+PLAIN = {"train_single.py", "train_ddp.py", "train_dp.py", "train_resumable.py", "train_fsdp.py"}  # argparse's errors
 
 
 @pytest.mark.parametrize("script", ["train_single.py", "train_ddp.py", "train_dp.py", "train_resumable.py",
@@ -173,11 +173,14 @@ def test_a_checkpoint_path_that_is_a_folder_or_below_a_file_is_refused_before_tr
         cases = {"folder": ["--checkpoint-dir", tmp_path / "ckpts"], "file": ["--checkpoint-dir", tmp_path / "a_file"]}
         named = {"folder": tmp_path / "ckpts" / "last.pt", "file": tmp_path / "a_file"}
         bounded = ["--epochs", 1, "--max-steps", 1, "--image-size", 32]
-    else:  # train_fsdp.py's --checkpoint is a folder (DCP): below a file it cannot be
-        folder = tmp_path / ("ckpt/.metadata" if script == "train_fsdp.py" else "ckpt")
-        folder.mkdir(parents=True)
+    elif script == "train_fsdp.py":  # its --checkpoint is a folder (DCP): a file, or below one, it cannot be
+        cases = {"folder": ["--checkpoint", tmp_path / "a_file"], "file": ["--checkpoint", tmp_path / "a_file" / "ck"]}
+        named = {"folder": tmp_path / "a_file", "file": tmp_path / "a_file"}
+        bounded = ["--epochs", 1, "--max-steps", 2]
+    else:
+        (tmp_path / "ckpt").mkdir()
         cases = {"folder": ["--checkpoint", tmp_path / "ckpt"], "file": ["--checkpoint", tmp_path / "a_file" / "m.pt"]}
-        named = {"folder": folder, "file": tmp_path / "a_file"}
+        named = {"folder": tmp_path / "ckpt", "file": tmp_path / "a_file"}
         bounded = ["--epochs", 1, "--max-steps", 2]
     procs = {case: python(script, *args, *bounded, "--run-dir", tmp_path / f"run_{case}", wait=False)
              for case, args in cases.items()}
@@ -187,7 +190,7 @@ def test_a_checkpoint_path_that_is_a_folder_or_below_a_file_is_refused_before_tr
         if script in PLAIN:  # argparse's usage, then its one error line
             line = err.strip().splitlines()[-1]
             assert line.startswith(f"{script}: error: argument --checkpoint"), (case, err)
-            assert "Traceback" not in err and str(named[case] if case == "file" else tmp_path / "ckpt") in line
+            assert "Traceback" not in err and str(named[case]) in line
         else:
             assert err.count("\n") == 1 and err.startswith("error: cannot write the checkpoint"), (case, err)
             assert str(named[case]) in err, (case, err, out)
