@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from course import models
 
-blocks = models.blocks  # the units FSDP shards; its home is course.models (train_fsdp.py imports it there)
+blocks = models.blocks  # the units FSDP shards in the memory figures (train_fsdp.py shards each layer with weights)
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2-like", "FSDP2")
 PARTS = ("parameters", "gradients", "optimizer", "working copies")
