@@ -305,6 +305,12 @@ def test_a_job_stopped_at_the_timeout_says_what_the_records_show():
     assert "same collective" not in text and "rank 0 had failed" in text and "rank 1 had ended" in text, text
     same = {r: {"fr": [{"collective_seq_id": 7}]} for r in (0, 1)}
     assert "every rank at the same collective" in _still_running(_run(records={}, returncode=None, stuck=same))
+    # Issue 51: a rank still running is named where it was, in the words of a hang (rules_sync.stuck_line)
+    script = str(ROOT / "x.py")
+    stuck = {0: {"stack": [{"file": script, "line": 7}], "current": {"op": "all_reduce"}}}
+    text = _still_running(_run(records={0: {"script": script}, 1: {"errors": [], "env": {}}}, returncode=None,
+                               stuck=stuck))
+    assert "rank 0 in all_reduce at x.py:7" in text and "rank 1 had ended" in text, text
 
 
 def test_an_accuracy_divided_by_one_ranks_share_is_hinted():
@@ -328,6 +334,9 @@ def test_outside_shapes_say_what_the_run_showed(outcomes):
     assert uneven.status == 1 and uneven.checked, uneven.text()
     bn = outcomes["outside-bn-rank0-eval"].report
     assert bn.status == 1 and "same collective" not in bn.error, bn.text()
+    # Issue 51: rank 1 succeeds, rank 0 fails; torchrun's agent of rank 1's node then waits in its exit barrier for
+    # the other's (300 s, in 3 of 5 runs): the runner ends the job once both ranks have exited, not at its timeout.
+    assert bn.error.startswith("the script failed (exit code 1)") and "still running" not in bn.error, bn.text()
     assert "outside_eval.py:" in bn.findings[0].evidence, bn.text()
     accuracy = outcomes["outside-accuracy-divisor"].report
     assert any("len(val_sampler)" in h for h in accuracy.hints), accuracy.text()

@@ -255,3 +255,132 @@ def test_a_failed_rank_ends_the_job_and_deleted_files_come_back(tmp_path):
     assert not any(f.code == "hang" for f in report.findings), report.text()
     assert data.read_text() == "keep"
     assert report.seconds < 200, report.text()  # the other rank would have slept 120 s after a slow start
+
+
+def _recorded(script: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """``script`` run by the recorder alone (one process, rank 0), its records in tmp_path/out."""
+    path, out = tmp_path / "script.py", tmp_path / "out"
+    path.write_text(script)
+    out.mkdir()
+    env = {**os.environ, "COURSE_RECORD_OUT": str(out), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(ENTRY), str(path)], env=env, stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path), out
+
+
+def test_a_hang_dump_writes_the_record_before_the_stack(tmp_path):
+    """Issue 51 (pitfall-12 under load: "rank 1 left no record"): the runner stops a job once every rank has said
+    where it is; the stack file is written last, so once it is there the record is whole (it was written after it,
+    and a rank stopped meanwhile left no record)."""
+    proc, out = _recorded("import time\nprint('ready', flush=True)\ntime.sleep(60)\n", tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        (out / "dump-now").touch()
+        stuck = out / "stuck_rank0.json"
+        deadline = time.monotonic() + 20
+        while not stuck.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        record = out / "record_rank0.json"
+        assert stuck.exists() and record.exists(), sorted(p.name for p in out.iterdir())
+        assert record.stat().st_mtime_ns <= stuck.stat().st_mtime_ns
+        said = json.loads(stuck.read_text())
+        assert said["leaving"] is False and said["stack"][-1]["line"] == 3, said
+        assert json.loads(record.read_text())["ended"] is False
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+PAST_ITS_SCRIPT = '''import atexit, json, os, time
+OUT = os.environ["COURSE_RECORD_OUT"]
+
+def after():  # the script has ended; the recorder's last record comes after this (atexit: last in, first out)
+    open(os.path.join(OUT, "dump-now"), "w").close()
+    record = os.path.join(OUT, "record_rank0.json")
+    deadline = time.monotonic() + 20
+    while not os.path.exists(record) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print(json.dumps({"ended": json.load(open(record))["ended"],
+                      "stuck": os.path.exists(os.path.join(OUT, "stuck_rank0.json"))}), flush=True)
+
+atexit.register(after)
+'''
+
+
+def test_a_rank_past_its_script_answers_with_its_last_record(tmp_path):
+    """A rank asked where it is while it exits: not a hang's dump (a record saying it had not ended, which the runner
+    would wait on or stop in the middle of) but its last record, once."""
+    proc, out = _recorded(PAST_ITS_SCRIPT, tmp_path)
+    answer, _ = proc.communicate(timeout=120)
+    assert json.loads(answer.strip().splitlines()[-1]) == {"ended": True, "stuck": False}, answer
+    assert json.loads((out / "record_rank0.json").read_text())["ended"] is True
+    assert not list(out.glob("*.tmp")), sorted(p.name for p in out.iterdir())
+
+
+def _watch_job(out: Path, nodes: int = 2):
+    import threading
+
+    from course.doctor.running import _stop_when_hung
+
+    out.mkdir(parents=True, exist_ok=True)
+    job = Job(out / "x.py", [], nproc=2, nodes=nodes, timeout=120)
+    stop, done, why = threading.Event(), threading.Event(), []
+    watcher = threading.Thread(target=_stop_when_hung, args=(out, job, stop, done, why), daemon=True)
+    watcher.start()
+    return stop, done, why
+
+
+def _record(out: Path, rank: int, failed: bool, pid: int, ended: bool = True) -> None:
+    errors = [{"in": "script", "error": "RuntimeError: x"}] if failed else []
+    (out / f"record_rank{rank}.json").write_text(json.dumps({"ended": ended, "errors": errors, "pid": pid}))
+
+
+def test_the_runner_waits_for_the_last_record_of_a_rank_on_its_way_out(tmp_path):
+    """Rank 0 failed; rank 1's collective failed too (``leaving``): its stack is not the end of what it says, its
+    last record is; the job is stopped only once that is written."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    out = tmp_path / "out"
+    out.mkdir()
+    _record(out, 0, failed=True, pid=proc.pid)
+    stop, done, why = _watch_job(out)
+    try:
+        deadline = time.monotonic() + 15
+        while not (out / "dump-now").exists() and time.monotonic() < deadline:  # rank 0 failed 2 s ago
+            time.sleep(0.05)
+        assert (out / "dump-now").exists() and why == ["failed", "runner"], why
+        (out / "stuck_rank1.json").write_text(json.dumps({"leaving": True, "stack": []}))
+        assert not stop.wait(1.5)  # said where it is, but on its way out: its last record is still to come
+        _record(out, 1, failed=True, pid=proc.pid)
+        assert stop.wait(3)
+    finally:
+        done.set()
+
+
+def test_the_runner_ends_a_job_whose_ranks_have_all_exited(tmp_path):
+    """Issue 51 (the rank-0 evaluation case, 186 s in 3 of 5 runs): rank 1 succeeded, rank 0 failed, both processes
+    have exited; torchrun's agent of rank 1's node waits in its exit barrier (300 s) for the other node's agent,
+    which exited without it. The runner ends the job then, not at its timeout, and asks nobody where it is."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    out = tmp_path / "out"
+    out.mkdir()
+    _record(out, 0, failed=True, pid=proc.pid)
+    _record(out, 1, failed=False, pid=proc.pid)
+    start = time.monotonic()
+    stop, done, why = _watch_job(out)
+    try:
+        assert stop.wait(20) and why == ["exited"], why
+        assert time.monotonic() - start < 15 and not (out / "dump-now").exists()
+    finally:
+        done.set()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:  # a rank whose process is still running (on its way out): not ended by this rule
+        (out2 := tmp_path / "out2").mkdir()
+        _record(out2, 0, failed=True, pid=proc.pid)
+        _record(out2, 1, failed=False, pid=live.pid)
+        stop, done, why = _watch_job(out2)
+        assert not stop.wait(8) and why == [], why
+        done.set()
+    finally:
+        live.kill()
+        live.wait()

@@ -473,7 +473,7 @@ def test_the_same_argument_error_from_every_rank_is_shown_once():
     assert "printed the same" in stream
     assert error.value.output.count("error: argument --epochs") == 2  # all of it is kept in the output
     assert [line for line in str(error.value).splitlines() if "error:" in line] == \
-        ["  train_ddp.py: error: argument --epochs: 0 must be > 0"]
+        ["  train_ddp.py: error: argument --epochs: '0' is not a whole number in [1, 2**63)"]
 
 
 def test_different_lines_from_each_rank_are_all_shown():
@@ -666,3 +666,94 @@ def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch, tmp_path)
         finally:
             stop.set()
             spinner.join()
+
+
+STUCK = ROOT / "tests" / "fixtures" / "stuck_ranks.py"
+
+
+def _line_of(code: str) -> str:
+    """'stuck_ranks.py:N `code`' of the fixture's line that holds ``code``."""
+    lines = STUCK.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if code in line)
+    return f"stuck_ranks.py:{number} `{lines[number - 1].strip()}`"
+
+
+@pytest.fixture(scope="module")
+def stuck_jobs(tmp_path_factory):
+    """Issue 51 #2: four stuck jobs at once (they sleep; one start-up's worth of time): two stopped by the launcher's
+    timeout, one ended by its own 3 s process-group timeout, one the exercise checker's (under the recorder) stopped
+    by its timeout. {name: the LaunchError, the RunResult, or the checker's Run}."""
+    from course.exercises import running
+
+    jobs = {"loader": (["loader"], 30, True), "collective": (["collective"], 30, True),
+            "pg-timeout": (["collective", "3"], 120, False)}
+    found = {}
+
+    def run(name, args, timeout, check):
+        try:
+            found[name] = launch(STUCK, 2, args, timeout=timeout, check=check, on_line=lambda _: None)
+        except LaunchError as error:
+            found[name] = error
+
+    def checker():  # the exercise checker's launch: under the recorder
+        found["checker"] = running.launch(STUCK, ["collective"], tmp_path_factory.mktemp("checker"), "gloo", 30)
+
+    threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
+    threads.append(threading.Thread(target=checker))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return found
+
+
+def test_a_timeout_names_where_each_rank_was_a_dataloader_and_a_sleep(stuck_jobs, wait_no_processes):
+    """Each rank's Python stack, dumped by faulthandler on SIGUSR2 before the job is stopped: rank 0 waits for a
+    DataLoader worker that sleeps forever in __getitem__, rank 1 sleeps."""
+    error = stuck_jobs["loader"]
+    assert isinstance(error, LaunchError) and "timed out after 30 s" in str(error), error
+    message = str(error)
+    assert f"rank 0 at {_line_of('for batch in DataLoader')} (inside its DataLoader" in message, message
+    assert f"rank 1 at {_line_of('time.sleep(3600)  # rank 1')}, in no collective" in message, message
+    assert "never reached the collective" not in message  # nobody waits in one
+    assert error.places and error.places in error.failure
+    assert wait_no_processes(str(STUCK), timeout=10) == []
+
+
+def test_a_timeout_names_the_rank_that_never_reached_the_collective(stuck_jobs):
+    error = stuck_jobs["collective"]
+    message = str(error)
+    assert isinstance(error, LaunchError) and "timed out after 30 s" in message, error
+    assert f"rank 0 in all_reduce at {_line_of('dist.all_reduce')}" in message, message
+    sleep = _line_of("time.sleep(3600)  # rank 1")
+    assert f"the rank that never reached the collective: rank 1, at {sleep} (rank 0 waited in all_reduce)" in message
+
+
+def test_a_process_group_timeout_says_where_the_other_rank_was(stuck_jobs):
+    """Rank 0's own wait times out (3 s): before its traceback, and before torchrun ends rank 1, it asks rank 1
+    where it is; the failure names rank 0's timeout and rank 1's line."""
+    result = stuck_jobs["pg-timeout"]
+    assert not isinstance(result, LaunchError) and result.returncode != 0, result
+    assert result.failure.startswith("rank 0"), result.failure
+    assert "when rank 0's wait timed out (RuntimeError: Timed out waiting 3000ms" in result.failure, result.failure
+    sleep = _line_of("time.sleep(3600)  # rank 1")
+    assert f"rank 1 at {sleep}, in no collective" in result.failure
+    assert f"the rank that never reached the collective: rank 1, at {sleep} (rank 0's wait timed out)" in result.failure
+    assert result.places and result.places in result.failure
+
+
+def test_the_checkers_timeout_says_where_each_rank_was(stuck_jobs):
+    """The exercise checker launches through the same launcher, under the recorder: its verdict carries the same
+    places, the lines of the learner's script (not the recorder's)."""
+    from course.exercises.results import Stop
+    from course.exercises.running import failure
+
+    run = stuck_jobs["checker"]
+    assert run.returncode is None, run.output[-2000:]
+    with pytest.raises(Stop) as stop:
+        failure(run, STUCK, 30)
+    verdict = stop.value.verdict
+    sleep = _line_of("time.sleep(3600)  # rank 1")
+    assert verdict.diagnosis == "hang" and f"rank 0 in all_reduce at {_line_of('dist.all_reduce')}" in verdict.symptom
+    assert f"the rank that never reached the collective: rank 1, at {sleep}" in verdict.symptom, verdict.symptom
+    assert verdict.facts["detail"] == run.places

@@ -27,7 +27,7 @@ from course.runlog import RunLog
 
 # the start-up alone, then whole runs of a few seconds each: a model the doctor records every step of
 OVERHEAD = [("tests/fixtures/doctor/startup_only.py", []),
-            ("scripts/train_ddp.py", ["--epochs", "1", "--max-steps", "60"]),
+            ("scripts/train_ddp.py", ["--epochs", "1", "--max-steps", "60", "--data-dir", str(ROOT / "data" / "mnist")]),
             ("tests/fixtures/doctor/nanogpt_loop.py", ["--fixed", "--max-iters", "30"]),
             ("tests/fixtures/doctor/trainer_class.py", ["--fixed", "--total-epochs", "3"])]
 GOAL = 1.20

@@ -148,14 +148,18 @@ def _still_running(run: Run) -> str:
     """What the records show of a job stopped at the timeout that no rule called a hang."""
     stuck = run.stuck
     last = {(s.get("fr") or [{}])[-1].get("collective_seq_id") for s in stuck.values()}
-    if len(stuck) == run.job.nproc and len(last) == 1:
-        return "every rank at the same collective: give it a larger --timeout or fewer --steps per pass"
     said = []
     for r in range(run.job.nproc):
         rec = run.records.get(r)
         errors = rec.get("errors", []) if rec else []
-        said.append(f"rank {r} " + ("was still running" if r in stuck else f"had failed: {clip(errors[-1]['error'], 160)}"
-                                    if errors else "had ended" if rec else "left no record"))
+        if r in stuck:  # where it was: the same words as a hang's (rules_sync)
+            said.append(rules_sync.stuck_line(r, rec or {"script": ""}, stuck[r]))
+            continue
+        said.append(f"rank {r} " + (f"had failed: {clip(errors[-1]['error'], 160)}" if errors else "had ended" if rec
+                                    else "left no record"))
+    if len(stuck) == run.job.nproc and len(last) == 1:
+        return (f"every rank at the same collective ({'; '.join(said)}): give it a larger --timeout or fewer --steps "
+                "per pass")
     return "; ".join(said)
 
 

@@ -49,8 +49,14 @@ class Outcome:
 
 def load(path: Path = CASES, bench: bool = True) -> list[Case]:
     """The cases (bench=False: without those only the benchmark runs), each with --steps 4 unless it says."""
-    cpus = str(os.cpu_count() or 1)
-    found = [Case(c["name"], c["group"], ROOT / c["script"], [a.replace("{cpus}", cpus) for a in c["args"]],
+    fill = {"{cpus}": str(os.cpu_count() or 1), "{data}": str(ROOT / "data")}  # the doctor runs in a folder of its own
+
+    def filled(arg: str) -> str:
+        for key, value in fill.items():
+            arg = arg.replace(key, value)
+        return arg
+
+    found = [Case(c["name"], c["group"], ROOT / c["script"], [filled(a) for a in c["args"]],
                   c["expect"], {"steps": 4, **c.get("options", {})}, c.get("files", {}), c.get("bench_only", False))
              for c in json.loads(path.read_text())["cases"]]
     return [c for c in found if bench or not c.bench_only]

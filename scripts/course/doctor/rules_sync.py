@@ -170,7 +170,7 @@ def _factors(per: dict, ranks: list, key, bad: list) -> dict:
     return found if any(abs(f - 1) > 1e-4 for f in found.values()) else {}
 
 
-def _stuck_line(r: int, rec: dict, stuck: dict) -> str:
+def stuck_line(r: int, rec: dict, stuck: dict) -> str:
     script = rec.get("script", "")
     frames = [f for f in stuck.get("stack", []) if f["file"] == script]
     where = f"{os.path.basename(script)}:{frames[-1]['line']}" if frames else "outside the script"
@@ -229,12 +229,12 @@ def hangs(run, facts) -> bool:
         last = {(s.get("fr") or [{}])[-1].get("collective_seq_id") for s in run.stuck.values()}
         if len(run.stuck) == run.job.nproc and len(last) == 1:  # every rank at the same collective: in step
             return False
-        where = [_stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())]
+        where = [stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())]
     else:
         lines = {r: _error_line(r, rec) for r, rec in sorted(run.records.items())}
         where = [w for w in lines.values() if w]
         if where:  # a rank's wait timed out: where the others were then (the runner's stuck_rank<N>.json)
-            where += [_stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())
+            where += [stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())
                       if not lines.get(r)]
     if mismatch:
         facts.add(Finding("collective-mismatch", "The ranks called different collectives at the same point.",

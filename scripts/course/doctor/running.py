@@ -148,24 +148,52 @@ def _read(folder: Path, prefix: str) -> dict:
 
 def _ended(out: Path, seen: dict) -> dict:
     """rank file -> whether that rank failed by an error of its script, for the ranks that have ended (their
-    record's last version says so); ``seen``: what was read, by file and modification time."""
+    record's last version says so); ``seen``: what was read, by file and modification time (and the rank's pid)."""
     for f in out.glob("record_rank*.json"):
         try:
             stamp = f.stat().st_mtime_ns
             if seen.get(f.name, (None,))[0] != stamp:
                 rec = json.loads(f.read_text())
                 seen[f.name] = (stamp, rec.get("ended"), any(e.get("in") in ("script", "spawn")
-                                                            for e in rec.get("errors", [])))
+                                                            for e in rec.get("errors", [])), rec.get("pid"))
         except (OSError, ValueError):
             continue
-    return {name: failed for name, (_, ended, failed) in seen.items() if ended}
+    return {name: failed for name, (_, ended, failed, _) in seen.items() if ended}
+
+
+def _exited(pid) -> bool:
+    """Whether a rank's process has exited (False when not known)."""
+    from course.launcher.processes import _running, psutil
+
+    if not pid:
+        return False
+    try:
+        return not _running(psutil.Process(pid))
+    except psutil.Error:
+        return True
+
+
+def _said(out: Path, seen: dict) -> set:
+    """The ranks that have ended, or said where they are (their stack, written after their record) and are not on
+    their way out (a rank whose collective failed is waited for until its last record is there: 10 s at most)."""
+    said = {name.removeprefix("record_").removesuffix(".json") for name in _ended(out, seen)}
+    for f in out.glob("stuck_rank*.json"):
+        try:
+            if not json.loads(f.read_text()).get("leaving"):
+                said.add(f.stem.removeprefix("stuck_"))
+        except (OSError, ValueError):
+            continue
+    return said
 
 
 def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.Event, why: list) -> None:
     """End the job as torchrun would, and bounded: when a rank has failed (after a moment for the others to end
     by themselves), or at the timeout; first every rank still running says where it is (``dump-now``, also
-    written by a rank whose collective timed out)."""
-    deadline, seen, failed_at = time.monotonic() + job.timeout, {}, None
+    written by a rank whose collective timed out): its stack and then its record (the job is not stopped in the
+    middle of it). When every rank has ended and exited but the job goes on, what is left is torchrun's agents of
+    simulated nodes: an agent whose ranks succeeded waits up to 300 s in torchrun's exit barrier for an agent
+    whose ranks failed, which never comes (it exits without it); the job is ended then ("exited")."""
+    deadline, seen, failed_at, exited_at = time.monotonic() + job.timeout, {}, None, None
     while not done.wait(0.25):
         ended = _ended(out, seen)
         if failed_at is None and any(ended.values()):
@@ -173,6 +201,13 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
         if failed_at is not None and time.monotonic() - failed_at > 2 and len(ended) < job.nproc:
             why.append("failed")
             break
+        if job.launch == "torchrun" and job.nodes > 1 and len(ended) >= job.nproc and \
+                all(_exited(seen[name][3]) for name in ended):
+            exited_at = exited_at or time.monotonic()
+            if time.monotonic() - exited_at > AGENTS_GRACE_S:
+                why.append("exited")
+                stop.set()
+                return
         if time.monotonic() > deadline:
             why.append("timeout")
             break
@@ -182,13 +217,12 @@ def _stop_when_hung(out: Path, job: Job, stop: threading.Event, done: threading.
         why.append("runner")
     (out / "dump-now").touch()
     until = time.monotonic() + 10
-    while time.monotonic() < until and not done.is_set():
-        said = {f.stem.rsplit("rank", 1)[-1] for f in (*out.glob("stuck_rank*.json"), *out.glob("record_rank*.json"))}
-        if len(said) >= job.nproc:
-            time.sleep(0.3)  # its record follows its stack
-            break
+    while time.monotonic() < until and not done.is_set() and len(_said(out, seen)) < job.nproc:
         time.sleep(0.1)
     stop.set()
+
+
+AGENTS_GRACE_S = 5  # every rank has exited: torchrun's agents end within this unless one waits in its exit barrier
 
 
 def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | None = None) -> Run:
@@ -215,11 +249,13 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
     lines: list[str] = []
     try:
         result = run_commands(jobs, timeout=job.timeout + 30, on_line=on_line or lines.append, stop=stop,
-                              cwd=job.cwd, _remove=[log_dir])
+                              cwd=job.cwd, _remove=[log_dir], where=False)  # the recorder says where ranks are
         code, output, failure = result.returncode, result.output, result.failure or ""
-    except LaunchError as error:  # stopped: a hang, or a rank failed and the others were ended
+    except LaunchError as error:  # stopped: a hang, a rank failed and the others were ended, or the ranks had exited
         output = error.output or "".join(lines)
         code, failure = (1, "") if why[:1] == ["failed"] else (None, "")
+        if why == ["exited"]:  # what the ranks ended with, as if torchrun's agents had exited with them
+            code = int(any(_ended(out, {}).values()))
         if code:
             from course.launcher import describe_failure
 

@@ -40,8 +40,9 @@ def check_hang(path: Path, work: Path, *, backend: str, timeout: float) -> Verdi
     except Stop as stop:
         v = stop.verdict
         if v.diagnosis == "hang" and v.facts.get("detail"):  # the symptom only; where each rank was: hint 2
-            v.symptom = (f"the job hung: it stopped making progress until the {PG_TIMEOUT_S} s process-group timeout "
-                         f"ended it (hint('6a') shows where each rank was).")
+            ended = (f"it was still running after {timeout:.0f} s and was stopped" if run.returncode is None else
+                     f"it stopped making progress until the {PG_TIMEOUT_S} s process-group timeout ended it")
+            v.symptom = f"the job hung: {ended} (hint('6a') shows where each rank was)."
         raise
     metrics = load_metrics(run)
     ref_sum, ref_total = reference().val

@@ -21,6 +21,7 @@ import torch
 
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
+from course.launcher.stacks import one_line
 from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 from course.recorder import ENTRY as RECORDER
 
@@ -74,6 +75,7 @@ class Run:
     records: dict  # rank -> what course/recorder.py recorded
     out: Path
     seconds: float
+    places: str = ""  # where each rank was at a timeout (course.launcher.stacks), one line
 
     @property
     def ok(self) -> bool:
@@ -90,13 +92,14 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
     work.mkdir(parents=True)
     lines: list[str] = []
     start = time.monotonic()
+    places = ""
     try:
         result = torchrun(RECORDER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
                           backend=backend, env={"COURSE_RECORD_OUT": str(work)}, timeout=timeout, check=False,
                           quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
-        code, output = result.returncode, result.output
+        code, output, places = result.returncode, result.output, result.places
     except LaunchError as error:  # stopped at the wall-clock limit
-        code, output = None, getattr(error, "output", None) or "".join(lines)
+        code, output, places = None, getattr(error, "output", None) or "".join(lines), error.places
     output = output or "".join(lines)  # the whole output: the streamed lines fold repeats across ranks
     (work / "output.txt").write_text(output)
     records = {}
@@ -105,7 +108,8 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
             records[int(f.stem.removeprefix("record_rank"))] = json.loads(f.read_text())
         except ValueError:
             pass
-    return Run(code, output, records, work, time.monotonic() - start)
+    places = one_line(places)
+    return Run(code, output, records, work, time.monotonic() - start, places)
 
 
 @dataclass
@@ -172,8 +176,8 @@ def failure(run: Run, path: Path, timeout: float) -> None:
     errors = {c.rank: c.error for c in crashes}
     if run.returncode is None and not crashes:
         fail("hang", f"the job was still running after {timeout:.0f} s and was stopped (every process ended): "
-                      "a loop that never ends, or a rank waiting for a partner.", status="error", launched=True,
-             detail="", errors=errors)
+                      "a loop that never ends, or a rank waiting for a partner." + (f" {run.places}" if run.places else ""),
+             status="error", launched=True, detail=run.places, errors=errors)
     own = [c for c in crashes if c.error and not waiting(c.error)]
     sizes = next(((c, m) for c in crashes if (m := SIZES.search(c.error))), None)
     if sizes and any(P2P.search(c.frames[-1][2]) for c in crashes if c.frames):  # a send and its receive disagree
@@ -187,7 +191,7 @@ def failure(run: Run, path: Path, timeout: float) -> None:
         waited = [c for c in crashes if "Timed out" in c.error]
         detail = "; ".join(f"rank {c.rank} {'waited' if c in waited else 'failed'} at "
                            f"{_where(c, path) or 'a line outside your script'}" + ("" if c in waited else f" ({c.error})")
-                           for c in crashes) + "."
+                           for c in crashes) + "." + (f" {run.places}" if run.places else "")
         lead = (f"the job hung: a rank waited in a collective that the other never joined, until the {PG_TIMEOUT_S} s "
                 "process-group timeout" if waited else "a collective of one rank was not matched by the other")
         fail("hang", f"{lead}. {detail}", status="error", launched=True, crashes=len(crashes), lead=lead + ".",

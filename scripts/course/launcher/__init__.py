@@ -13,7 +13,8 @@ watchdog process ends it too when the process that launched it dies (a killed or
 One module per job: ``plan`` (device, backend, threads, refusals, the command line), ``run``
 (start, stream, timeout, result), ``stream`` (what the live output shows), ``torchrun_output`` (the
 one reader of torchrun's output and failure report), ``processes`` (watchdog, ending trees, ports),
-``rundir`` (the run directory: claimed, staged, published only on success).
+``rundir`` (the run directory: claimed, staged, published only on success), ``stacks`` (where each rank was: its
+Python stack, dumped on request before a timed-out job is stopped, or when a rank's own wait times out).
 
 Working directory: the repository root (what the course's scripts expect), unless ``cwd=`` says
 otherwise, e.g. for a script of your own that writes relative paths.

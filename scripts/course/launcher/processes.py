@@ -145,6 +145,15 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
+def tree_pids(pid: int) -> list[int]:
+    """A process and all its descendants (their pids); [] if it has ended."""
+    try:
+        root = psutil.Process(pid)
+        return [root.pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
 def kill_tree(pid: int, grace: float = 5.0) -> int:
     """End a process and all its descendants (SIGTERM, then SIGKILL after ``grace`` s); returns the count."""
     try:

@@ -14,8 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course import ROOT, in_repo
+from course.launcher import stacks
 from course.launcher.plan import LaunchRefused, max_restarts, plan, resolve_script, torchrun_command
-from course.launcher.processes import kill_tree, log_folder, remove_orphaned_log_folders, start_watchdog
+from course.launcher.processes import (
+    kill_tree,
+    log_folder,
+    remove_orphaned_log_folders,
+    start_watchdog,
+    tree_pids,
+)
 from course.launcher.rundir import StagedRun
 from course.launcher.stream import KEEP, SHOW, TorchrunStream
 from course.launcher.torchrun_output import describe_failure, unglue
@@ -28,12 +35,13 @@ class LaunchError(RuntimeError):
     """A launched job exited non-zero, timed out or was stopped; the message names the failing rank.
 
     output: everything the job printed (torchrun's own report included); failure: the short text;
-    result: the RunResult (None when the job was cut short). ``show_report(err)`` shows the output.
+    result: the RunResult (None when the job was cut short); places: where each rank was (``stacks``), or "".
+    ``show_report(err)`` shows the output.
     """
 
-    def __init__(self, message: str, *, output: str = "", failure: str | None = None, result=None):
+    def __init__(self, message: str, *, output: str = "", failure: str | None = None, result=None, places: str = ""):
         super().__init__(message)
-        self.output, self.failure, self.result = output, failure or message, result
+        self.output, self.failure, self.result, self.places = output, failure or message, result, places
 
 
 @dataclass
@@ -45,6 +53,7 @@ class RunResult:
     metrics: dict | None = None
     returncodes: list[int] = field(default_factory=list)
     failure: str | None = None  # on failure: the first failing rank and its cause
+    places: str = ""  # where each rank was when a rank's wait timed out (course.launcher.stacks), or ""
 
 
 def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto", run_dir=None,
@@ -56,7 +65,8 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
     run_dir: the run's folder, claimed for this run (a second live run into it is refused); the script
       gets ``--run-dir <run_dir>/in_progress``, and only a run that exits 0 replaces the previous results
       (course.launcher.rundir); its metrics.json is returned in the result.
-    timeout: seconds of wall time before every process is stopped and LaunchError raised.
+    timeout: seconds of wall time before every process is stopped and LaunchError raised; first each rank dumps
+      its Python stack, and the error says where each rank was (``error.places``; course.launcher.stacks).
     check: raise LaunchError naming the failing rank and its last error lines when the job fails
       (``result.failure`` holds the same text with check=False).
     on_line: called with each output line (default: print); stop: an Event that ends the job.
@@ -121,18 +131,21 @@ def launch(script: str | Path, nproc: int = 1, args=(), *, backend: str = "auto"
     if check and result.returncode != 0:
         raise LaunchError(f"{Path(script).name} failed (exit code {result.returncode}): {result.failure}\n"
                           "(full output: course.launcher.show_report(error), or error.output)",
-                          output=result.output, failure=result.failure, result=result)
+                          output=result.output, failure=result.failure, result=result, places=result.places)
     return result
 
 
 def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Event | None = None,
-                 cwd: Path = ROOT, _remove=()) -> RunResult:
+                 cwd: Path = ROOT, _remove=(), where: bool = True) -> RunResult:
     """Run several commands at once (e.g. two simulated nodes), merging their output live.
 
     jobs: list of (label, argv, extra_env); a non-empty label prefixes each of that job's lines.
     Returns when all have exited; on timeout, stop or KeyboardInterrupt every process tree is ended,
     and a watchdog ends them if this process dies. torchrun's own failure report (its traceback and
     the ChildFailedError block) is kept in ``output`` but not streamed: ``failure`` says it in short.
+    where: every rank dumps its Python stack when asked (course.launcher.stacks): at the timeout, before the
+    job is stopped, the error says where each rank was; when a rank's own wait times out, the failure says where
+    the other ranks were (False: a caller that records it otherwise, the doctor's recorder).
     """
     emit = on_line or _print_line
     lines: queue.Queue = queue.Queue()
@@ -141,6 +154,9 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
     reason = None
     watchdog = None
     open_streams = 0  # output pumps still running
+    folder = stacks.new_folder() if where else None  # each rank's stack, when asked
+    remove = [*_remove, folder] if folder else list(_remove)
+    places = ""
 
     def take(wait: float) -> None:
         """Show and keep the next line, if one comes within ``wait`` s; count the streams that close."""
@@ -163,6 +179,7 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
             # start-up code of the course's jobs only: a pause at exit against gloo's exit race (startup/sitecustomize.py)
             env["PYTHONPATH"] = os.pathsep.join([str(STARTUP), *filter(None, [env.get("PYTHONPATH")])])
+            env[stacks.ENV] = folder or ""
             # Own session: a notebook interrupt (SIGINT to the kernel's group) reaches us, not the ranks,
             # so that we, not a half-delivered signal, decide how they end.
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -172,7 +189,7 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
             prefix = f"[{label}] " if label else ""
             threading.Thread(target=_pump, args=(proc, prefix, lines), daemon=True).start()
             open_streams += 1
-        watchdog = start_watchdog([p.pid for p in procs], remove=_remove)
+        watchdog = start_watchdog([p.pid for p in procs], remove=remove)
         while open_streams:
             take(0.1)
             if time.monotonic() - start > timeout:
@@ -189,6 +206,11 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
         raise
     finally:
         if reason is not None:
+            if folder and reason.startswith("timed out"):  # where each rank is, before anything is stopped
+                asked = stacks.ask(folder, [pid for p in procs for pid in tree_pids(p.pid)])
+                places = stacks.where_ranks_were(folder, asked)
+                for line in places.splitlines():
+                    emit(f"[launcher] {line}\n")
             ended = sum(kill_tree(p.pid) for p in procs)
             # What the processes wrote before they ended may still be in the pipes (torchrun copies its
             # ranks' log files to its stdout as it stops): keep it, it can say why the job was stopped.
@@ -199,16 +221,19 @@ def run_commands(jobs, *, timeout: float = 600, on_line=None, stop: threading.Ev
         if watchdog is not None:
             watchdog.kill()  # the job is over (or ended above): nothing left to watch
             watchdog.wait()
-        for folder in _remove:  # whoever ends the job removes its folders
-            shutil.rmtree(folder, ignore_errors=True)
+        codes = [p.returncode for p in procs]
+        if folder and reason is None and any(codes):  # a rank whose wait timed out asked the others
+            places = stacks.where_ranks_were(folder)
+        for path in remove:  # whoever ends the job removes its folders
+            shutil.rmtree(path, ignore_errors=True)
     output = "".join(captured)
-    codes = [p.returncode for p in procs]
+    more = f"\n{places}" if places else ""
     if reason is not None:
-        raise LaunchError(f"job {reason}; every process was ended (its output is above).", output=output,
-                          failure=f"job {reason}")
+        raise LaunchError(f"job {reason}; every process was ended (its output is above).{more}", output=output,
+                          failure=f"job {reason}{more}", places=places)
     code = next((c for c in codes if c != 0), 0)
     return RunResult(returncode=code, wall_time=time.monotonic() - start, output=output, returncodes=codes,
-                     failure=describe_failure(output, code) if code else None)
+                     failure=describe_failure(output, code) + more if code else None, places=places)
 
 
 def _pump(proc: subprocess.Popen, prefix: str, lines: queue.Queue) -> None:

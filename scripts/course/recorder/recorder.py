@@ -20,12 +20,12 @@ parent's own writes in ``record_parent.json``). ``COURSE_RECORD_STANDIN=1``: the
 (``recorder_standin.py``); ``COURSE_RECORD_LOCAL_RANK_ARG``: the script gets ``--local_rank=N`` (spelled so), as
 ``torch.distributed.launch`` gave it; ``COURSE_RECORD_PORT``: see ``recorder_collectives.py``.
 
-Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``,
-written when the script ends, even by an exception); ``COURSE_RECORD_PG_TIMEOUT``, seconds that replace the
-script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the script
-overwrites (one older than ``COURSE_RECORD_SINCE``) is copied first, for the caller to restore. A file
-``dump-now`` appearing in the out folder makes every rank write ``stuck_rank<RANK>.json``: where its main
-thread is and its last collectives (a hang), and its record so far.
+Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``, written
+when the script ends, even by an exception; never half-written); ``COURSE_RECORD_PG_TIMEOUT``, seconds that
+replace the script's process-group timeout (a hang then ends in seconds); ``COURSE_RECORD_PROTECT=1``: a file the
+script overwrites (one older than ``COURSE_RECORD_SINCE``) is copied first, for the caller to restore. ``dump-now``
+appearing in the out folder makes every rank write its record so far, then ``stuck_rank<RANK>.json``: where its
+main thread is, its last collectives, ``leaving`` if a collective failed; a rank past its script, its last record.
 """
 
 import atexit
@@ -57,7 +57,8 @@ record = {"rank": int(RANK), "env": {k: os.environ.get(k) for k in ("RANK", "LOC
                                                                      "LOCAL_WORLD_SIZE", "GROUP_RANK")},
           "writes": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
           "samplers": [], "state_bytes": 0, "pg": None, "fr": [], "script": SCRIPT, "dirs": [], "errors": [],
-          "t0_ns": time.time_ns()}
+          "t0_ns": time.time_ns(), "pid": os.getpid()}
+_LOCK = threading.Lock()  # one writer of the record at a time: the main thread at exit, or the watcher
 
 
 def now() -> float:
@@ -167,9 +168,10 @@ def _save(name: str, data: dict) -> None:
     path = os.path.join(OUT, name)
     try:
         os.makedirs(OUT, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # each writer its own: never two in one file
+        with open(tmp, "w") as f:
             json.dump(data, f)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     except (OSError, TypeError, ValueError):
         pass
 
@@ -187,37 +189,20 @@ def _name() -> str:
 
 
 def _save_record(ended: bool = False):
-    """Write the record (``ended``: the process's last one, at its exit; else a hang's dump, the rank going on)."""
-    record["ended"] = ended
-    record["fr"] = recorder_collectives.flight_recorder()
-    record["seconds"] = now()
-    record["rank"] = int(rank())
-    pg = record.get("pg") or {}
-    if CHILD and "rank" in pg:  # a spawned process: one node, its environment as torchrun would have set it
-        record["env"] = {"RANK": str(pg["rank"]), "WORLD_SIZE": str(pg["world_size"]),
-                         "LOCAL_RANK": str(record.get("spawn_index", pg["rank"])),
-                         "LOCAL_WORLD_SIZE": str(pg["world_size"]), "GROUP_RANK": "0"}
-    _save(f"record_{_name()}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
-
-
-def _watch(main_ident: int):
-    """Until the process ends: when ``dump-now`` appears, say where the main thread is (a hang)."""
-    trigger = os.path.join(OUT, "dump-now")
-    while not os.path.exists(trigger):
-        time.sleep(0.25)
-    frame = sys._current_frames().get(main_ident)
-    stack = []
-    while frame is not None:
-        stack.append({"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name})
-        frame = frame.f_back
-    _save(f"stuck_{_name()}.json", {"rank": int(rank()), "stack": stack[::-1], "current": record.get("current"),
-                                     "fr": recorder_collectives.flight_recorder(50), "t": now()})
-    for _ in range(3):  # the job is about to be stopped, before atexit could run: save what was recorded
-        try:
-            _save_record()
+    """Write the record (``ended``: the process's last one, at its exit; else a hang's dump, the rank going on,
+    never over the last one)."""
+    global _FINAL
+    with _LOCK:
+        if _FINAL and not ended:
             return
-        except RuntimeError:  # the main thread changed the record meanwhile (it was not stuck): again
-            time.sleep(0.05)
+        _FINAL = _FINAL or ended
+        record.update(ended=ended, fr=recorder_collectives.flight_recorder(), seconds=now(), rank=int(rank()))
+        pg = record.get("pg") or {}
+        if CHILD and "rank" in pg:  # a spawned process: one node, its environment as torchrun would have set it
+            record["env"] = {"RANK": str(pg["rank"]), "WORLD_SIZE": str(pg["world_size"]),
+                             "LOCAL_RANK": str(record.get("spawn_index", pg["rank"])),
+                             "LOCAL_WORLD_SIZE": str(pg["world_size"]), "GROUP_RANK": "0"}
+        _save(f"record_{_name()}.json", json.loads(json.dumps(record)))  # a copy first: the main thread may go on
 
 
 def _instrument():
@@ -300,7 +285,8 @@ def _start() -> None:
         import recorder_training as training
 
         training.install(record, now)
-    threading.Thread(target=_watch, args=(threading.main_thread().ident,), daemon=True).start()
+    threading.Thread(target=recorder_collectives.watch, args=(sys.modules[__name__], threading.main_thread().ident),
+                     daemon=True).start()
     _instrument()
     # After torch is imported: importing it under the hook (every module's file opened and compiled is an event,
     # each a Python call) cost each rank about 0.2 s of CPU; the script's own writes come later.
@@ -333,15 +319,18 @@ def main():
 
     recorder_spawn.install() if LAUNCH == "spawn" else recorder_spawn.guard()  # never two worlds at once
     atexit.register(_save_record, True)
+    global FINISHED
     try:
         runpy.run_path(script, run_name="__main__")
     except BaseException as error:
         _script_error(error)
         raise
+    finally:
+        FINISHED = True
 
 
 training = recorder_collectives = None
-CHILD = _STARTED = False
+CHILD = _STARTED = FINISHED = _FINAL = False
 
 if __name__ == "__main__":
     import recorder  # this file under its own name: one module, the same in a forked process and recorder_spawn

@@ -10,7 +10,7 @@ a timeout set, the script's own timeout is replaced by it (a hang then ends in s
 script sets itself is replaced: under torchrun a ``MASTER_PORT`` by torchrun's own (its store listens there), a
 ``tcp://host:port`` by the port given (one known free), as is ``MASTER_PORT`` without torchrun. A busy
 port ends in one line that says so. A collective that times out asks every rank where it is (``dump-now``), so
-that a rank stuck outside any collective is named as soon as the hang is seen.
+that a rank stuck outside any collective is named as soon as the hang is seen; every rank's ``watch`` answers.
 """
 
 import glob
@@ -83,9 +83,12 @@ class Handle:
 
 
 def on_error(error: BaseException, out: str) -> None:
-    """A wait that timed out (a hang): every rank writes where it is (recorder.py's watcher). This rank stays
-    until they have, or had ended (10 s at most): once it exits, torchrun ends the others, and on a loaded machine a watcher
-    that polls every 0.25 s could be ended before it wrote."""
+    """A collective that failed: this rank is on its way out (``leaving``). A wait that timed out (a hang): every
+    rank writes where it is (recorder.py's watcher). This rank stays until they have, or had ended (10 s at most):
+    once it exits, torchrun ends the others, and on a loaded machine a watcher that polls every 0.25 s could be
+    ended before it wrote."""
+    global leaving
+    leaving = True
     if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower():
         try:
             open(os.path.join(out, "dump-now"), "a").close()
@@ -94,6 +97,34 @@ def on_error(error: BaseException, out: str) -> None:
         world, deadline = int(os.environ.get("WORLD_SIZE") or 1), time.monotonic() + 10
         while time.monotonic() < deadline and len(_said(out)) < world:
             time.sleep(0.1)
+
+
+leaving = False  # a collective of this rank failed: it is on its way out
+
+
+def watch(recorder, main_ident: int) -> None:
+    """Until the process ends: when ``dump-now`` appears, say where the main thread is (a hang): the record so far,
+    then ``stuck_<name>.json`` (last: once it is there, so is the record); a rank whose script has ended writes its
+    last record instead. ``recorder``: the recorder's module (its record, its name for this process)."""
+    trigger = os.path.join(recorder.OUT, "dump-now")
+    while not os.path.exists(trigger):
+        time.sleep(0.25)
+    if recorder.FINISHED:  # the process is on its way out: its record is its last
+        recorder._save_record(True)
+        return
+    frame, stack = sys._current_frames().get(main_ident), []
+    while frame is not None:
+        stack.append({"file": frame.f_code.co_filename, "line": frame.f_lineno, "function": frame.f_code.co_name})
+        frame = frame.f_back
+    stuck = {"rank": int(recorder.rank()), "stack": stack[::-1], "current": recorder.record.get("current"),
+             "fr": flight_recorder(50), "t": recorder.now(), "leaving": leaving}
+    for _ in range(3):  # the job is about to be stopped, before atexit could run: save what was recorded
+        try:
+            recorder._save_record()
+            break
+        except RuntimeError:  # the main thread changed the record meanwhile (it was not stuck): again
+            time.sleep(0.05)
+    recorder._save(f"stuck_{recorder._name()}.json", stuck)
 
 
 def _said(out: str) -> set:

@@ -65,13 +65,15 @@ def child(target, *args, **kwargs):
     """A process the script started: record it as a rank, from a fresh record (a forked copy of the parent's
     is emptied), with the wrapped functions in place of those the script imported by name before."""
     recorder.CHILD = True
+    recorder._LOCK = threading.Lock()  # a forked copy of the parent's may be held by a thread that is not here
     record = recorder.record
     if recorder._STARTED:  # forked: the wrappers are there; the record is the parent's
         for value in record.values():
             if isinstance(value, (list, dict)):
                 value.clear()
         record.update(pg=None, state_bytes=0, t0_ns=time.time_ns())
-        threading.Thread(target=recorder._watch, args=(threading.main_thread().ident,), daemon=True).start()
+        threading.Thread(target=recorder.recorder_collectives.watch, args=(recorder, threading.main_thread().ident),
+                         daemon=True).start()
     else:
         recorder._start()
     from torch.multiprocessing.spawn import _wrap
@@ -85,6 +87,7 @@ def child(target, *args, **kwargs):
             return target(functools.partial(_as_rank, fn), index, *rest, **kwargs)
         return _as_rank(target, *args, **kwargs)
     finally:
+        recorder.FINISHED = True
         recorder._save_record(ended=True)
 
 

@@ -8,6 +8,9 @@ aborts ("terminate called without an active exception") after the script's last 
 since gloo runs collectives on two worker threads. Here, at exit and while Python can still take the tensors back,
 the process waits until its other threads are no longer runnable (on Linux, from /proc; elsewhere a short pause),
 at most ``EXIT_WAIT_S``. The launcher still names the abort if it happens (course.launcher.torchrun_output).
+
+Where each rank is, on request: a rank of a job whose launcher gave it a folder (``COURSE_STACKS_DIR``) dumps its
+Python stack there on SIGUSR2, and asks the other ranks for theirs when its own wait times out (``_course_stacks.py``).
 """
 
 import atexit
@@ -64,5 +67,17 @@ def _run_the_environments_own() -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def _stacks_on_request() -> None:
+    folder = os.environ.get("COURSE_STACKS_DIR")
+    if folder and os.environ.get("RANK") is not None and os.environ.get("LOCAL_RANK") is not None:  # a rank
+        try:
+            import _course_stacks  # this file's folder is first on the path
+
+            _course_stacks.install(folder, os.environ["RANK"])
+        except Exception:  # noqa: BLE001, S110 - the job runs all the same; only its stack on a timeout is lost
+            pass
+
+
 atexit.register(_let_threads_finish)
+_stacks_on_request()
 _run_the_environments_own()
