@@ -14,14 +14,18 @@ LESSONS = {  # where the course teaches each finding
     "shard-overlap": "notebook 03, step 4", "shard-gap": "notebook 03, step 4", "set-epoch": "notebook 04, pitfall 2",
     "replicas-start": "notebook 03, step 3", "replicas-drift": "notebook 04b, pitfall 14",
     "grads-scaled": "notebook 04b, pitfall 14",
-    "grads-not-averaged": "notebook 03, step 3; exercise 2 of notebook 09", "rank-writes": "notebook 04b, pitfalls 9-10",
-    "eval-padding": "notebook 04b, pitfall 8", "eval-one-shard": "notebook 04b, pitfall 8; exercise 6 of 09",
-    "uneven-batches": "notebook 04, pitfall 7", "hang": "notebook 04b, pitfall 12; notebook 06 (flight recorder)",
-    "collective-mismatch": "notebook 04b, pitfall 12", "accum-not-divided": "exercise 6 of notebook 09; notebook 05",
+    "grads-not-averaged": "notebook 03, step 3; exercise 2 of notebook 09",
+    "rank-writes": "notebook 03, step 5; deep dive 04b, pitfalls 9-10",
+    "eval-padding": "notebook 03, step 4 (validation without padding); deep dive 04b, pitfall 8",
+    "eval-one-shard": "notebook 03, step 5; deep dive 04b, pitfall 8; exercise 6 of 09",
+    "uneven-batches": "notebook 04, pitfall 7",
+    "hang": "notebook 00 (collectives) and 03, step 5; deep dive 04b, pitfall 12; 06 (flight recorder)",
+    "collective-mismatch": "notebook 03, step 5; deep dive 04b, pitfall 12",
+    "accum-not-divided": "exercise 6 of notebook 09; notebook 05",
     "accum-sync": "notebook 05 (accumulation with no_sync)", "find-unused": "notebook 05",
     "oversubscribed": "notebook 04, pitfall 4", "not-equivalent": "notebook 03 (the proofs)",
     "device-mismatch": "notebook 04, pitfall 3", "split-per-rank": "notebook 03, step 4",
-    "eval-ddp-buffers": "notebook 04b, pitfall 12"}
+    "eval-ddp-buffers": "notebook 03, step 3; deep dive 04b, pitfall 12"}
 
 
 def clip(text: str, n: int = 240) -> str:

@@ -58,7 +58,8 @@ def sharding(records: dict, facts) -> None:
             f"the {a[0]['sampler']} of each of the {len(ranks)} ranks yields all {size} samples per pass"
             + (f"; both start with samples {_first(a[0]['indices'])}" if same else ""),
             "give the DataLoader `sampler=DistributedSampler(dataset)` (and shuffle=False on the DataLoader), "
-            "so that each rank takes 1/world_size of the samples"))
+            "so that each rank takes 1/world_size of the samples, and call `sampler.set_epoch(epoch)` at the start "
+            "of every epoch, so that the shuffle changes from epoch to epoch"))
         return
     counts = Counter(i for p in a for i in set(p["indices"]))
     twice = sorted(i for i, c in counts.items() if c > 1)

@@ -77,7 +77,8 @@ def ddp_settings(records: dict, facts) -> None:
 
 def eval_through_ddp(records: dict, facts) -> None:
     """Forwards without gradients through the DDP wrapper that broadcast its buffers (BatchNorm's running
-    statistics, broadcast_buffers=True) on some ranks only: a collective the other ranks never join."""
+    statistics; only the first forward after a training forward does) on some ranks only: a collective the other
+    ranks never join."""
     counts = {r: [e for e in rec.get("ddp_eval", []) if e["buffers"]] for r, rec in sorted(records.items())}
     if not any(counts.values()):
         return
@@ -86,12 +87,13 @@ def eval_through_ddp(records: dict, facts) -> None:
         return
     who = [r for r, v in counts.items() if v]
     facts.add(Finding(
-        "eval-ddp-buffers", f"Rank {', '.join(map(str, who))} evaluates through the DDP wrapper alone: each of its "
-        "forwards broadcasts the model's buffers (BatchNorm's running statistics), a collective the other ranks do "
-        "not join, so it pairs with their training collectives until the job fails or hangs.",
-        "; ".join(f"rank {r}: {len(v)} forward(s) without gradients through DistributedDataParallel"
+        "eval-ddp-buffers", f"Rank {', '.join(map(str, who))} evaluates through the DDP wrapper alone. The first "
+        "forward through the wrapper after a training forward broadcasts the model's buffers (BatchNorm's running "
+        "statistics), once per evaluation: a collective the other ranks do not join there. It pairs with their "
+        "next collective, and the job fails or hangs.",
+        "; ".join(f"rank {r}: {len(v)} buffer broadcast(s) from forwards without gradients through "
+                  "DistributedDataParallel"
                   + (f" (first at {v[0]['where']})" if v and v[0].get("where") else "")
-                  + (f", each broadcasting {v[0]['buffers']} buffer(s)" if v else "") for r, v in counts.items())
-        + " (broadcast_buffers=True)",
+                  + (f", each of {v[0]['buffers']} buffer(s)" if v else "") for r, v in counts.items()),
         "evaluate through the inner model on that rank (model.module(x)), or on every rank; or build DDP with "
-        "broadcast_buffers=False"))
+        "forward_sync_buffers=False (torch 2.13 and later; broadcast_buffers=False before)"))
