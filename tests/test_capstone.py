@@ -204,3 +204,29 @@ def test_record_reference_refuses_without_gpu():
                          timeout=60, cwd=SCRIPTS, check=False)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "no GPU" in out.stderr
+
+
+def test_the_cpu_thread_note_computes_its_ratio_and_states_no_outcome():
+    """Audit N6-7: 07's 1-vs-2-process comparison printed, whatever the runs measured, that the 1-process run's
+    threads wait for each other and slow every step, citing a row notebook 03 no longer has. The note now gives
+    the ratio of the two runs' samples/s and how each split the step (from their metrics.json), and names what can
+    slow either: two runs whose speeds point opposite ways get the same words, only the ratio differs."""
+    import nbformat
+
+    from course import ROOT
+    from course.capstone import threads_note
+    from course.measure import cpu_threads_rule
+
+    rule = cpu_threads_rule(2, cores=2)  # 2 processes x 1 thread vs 1 process x 2 threads
+    one = {"world_size": 1, "accumulation_steps": 2, "micro_batch": 32, "samples_per_s": 247.0}
+    two = {"world_size": 2, "accumulation_steps": 1, "micro_batch": 32, "samples_per_s": 211.0}
+    slower, faster = threads_note(rule, one, two), threads_note(rule, one, {**two, "samples_per_s": 600.0})
+    assert slower.startswith("2 processes ran at 0.85x the samples/s of 1") and "at 2.43x" in faster
+    assert "2 micro-batches of 32 in turn" in slower and "1 micro-batch of 32 each" in slower
+    assert "its 2 threads" in slower and "on 1 thread each" in slower
+    assert slower.replace("0.85x", "R") == faster.replace("2.43x", "R")  # no outcome but the computed ratio
+    assert threads_note(cpu_threads_rule(2, cores=1), one, two) == ""  # 1 thread each way: nothing split differently
+    assert threads_note(rule, one, {**two, "samples_per_s": None}) == ""
+    cells = nbformat.read(ROOT / "notebooks" / "07_capstone_flowers.ipynb", as_version=4).cells
+    source = "\n".join(c.source for c in cells)
+    assert "threads_note(RULE, np1, np2)" in source and "1 rank, 1 thread" not in source

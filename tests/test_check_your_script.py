@@ -1,12 +1,15 @@
 """Notebook 09b as a learner meets it (issue 44 item 2), with no headless run of its own: the patient fixed as the
 doctor's report says gets a clean check and the next cells accept it; the model answer and its diff stay hidden
-until asked for; the quiz asks only what can be predicted; the parallelism printout states the tokens and shapes it
-assumes and agrees with notebook 12 and with its own rule (course.choose). The course's own run of 09b (the three
-findings) is read in tests/test_doctor.py."""
+until asked for; the quiz asks only what can be predicted; section 2 quotes the doctor's first line as the doctor
+writes it; 09b keeps the when/reach-for table and notebook 12 prints the computed tables (course.choose), stating
+the tokens and shapes they assume and following their rule. The course's own run of 09b (the three findings) is
+read in tests/test_doctor.py."""
 
 import contextlib
 import inspect
 import io
+import re
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -152,24 +155,81 @@ def printed_layouts(path, cell_marker: str) -> tuple[dict, str]:
     return seen, run_cell(source, layouts=recorded, show_published=lambda name: None, **names)
 
 
-def test_the_parallelism_printout_states_its_inputs_agrees_with_12_and_follows_its_rule():
-    mine, text = printed_layouts(NOTEBOOK, "table(layouts(")
-    twelve, _ = printed_layouts(TWELVE, "table(layouts(")
-    shared = set(mine) & set(twelve)
-    assert (70e9, 80, 8, 16) in shared
-    for key in shared:  # the same cluster: the same rows, to the byte
-        assert mine[key] == twelve[key], key
-    assert text.count(f"{choose.TOKENS} tokens per GPU per step") == len(mine) == text.count("the rule: ")
-    for (psi, *_), rows in mine.items():
+def test_09b_keeps_the_when_table_and_12_prints_the_computed_tables_by_their_rule():
+    """Issue 52: 09b, the end of the core path, keeps its when/reach-for table; the computed HSDP/TP/PP tables are
+    notebook 12's. 12's printout states the tokens and shapes it assumes, and each pick follows course.choose.RULE."""
+    assert not [c for c in cells() if c.cell_type == "code" and ("table(" in c.source or "widget(" in c.source)]
+    markdown = "\n".join(c.source for c in cells() if c.cell_type == "markdown")
+    assert "| when | reach for | what it costs | deep dive |" in markdown
+    assert "sends only activations (and, backward, their gradients)" in markdown  # audit N6-20: choose.pp_bytes
+    twelve, text = printed_layouts(TWELVE, "table(layouts(")
+    assert (70e9, 80, 8, 16) in twelve
+    assert text.count(f"{choose.TOKENS} tokens per GPU per step") == len(twelve) == text.count("the rule: ")
+    for (psi, *_), rows in twelve.items():
         layers, width = choose.SHAPES[psi]
         assert f"({layers} blocks of width {width})" in text
         best = choose.pick(rows)
         fitting = [r for r in rows if r.fits and not r.same_as]
         assert best.inter_bytes == min(r.inter_bytes for r in fitting if not r.bubble)  # no pipeline: others fit
         assert not best.bubble and not best.same_as  # every cluster printed has a layout without a bubble
-    markdown = "\n".join(c.source for c in cells() if c.cell_type == "markdown")
-    assert "a pipeline only when nothing else fits" in markdown and "a pipeline only when nothing else fits" in (
+    twelve_markdown = "\n".join(c.source for c in cells(TWELVE) if c.cell_type == "markdown")
+    assert "a pipeline only when nothing else fits" in twelve_markdown and "a pipeline only when nothing else fits" in (
         choose.RULE)
+
+
+def test_a_fused_qkv_halves_tp_backward_and_the_step_sends_two_thirds():
+    """Audit N6-2: 09b said a fused qkv makes "the backward send 2/3". Per block the backward all-reduces once per
+    column-parallel input (4 with q, k, v and fc; 2 fused), the forward twice either way: the backward halves, the
+    step's total becomes 2/3. Any notebook that states the ratio says that."""
+    from course.comm_count import predict_block
+
+    separate = predict_block(1024, 64, sequence_parallel=False)
+    fused = predict_block(1024, 64, sequence_parallel=False, column_inputs=2)
+    assert fused["backward"]["all-reduce"][1] * 2 == separate["backward"]["all-reduce"][1]
+    assert fused["forward"] == separate["forward"]
+    total = {k: sum(b for phase in block.values() for _, b in phase.values()) for k, block in
+             (("separate", separate), ("fused", fused))}
+    assert total["fused"] * 3 == total["separate"] * 2
+    for path in sorted((TWELVE.parent).glob("*.ipynb")):
+        for cell in cells(path):
+            if cell.cell_type == "markdown" and "fused qkv the backward sends" in cell.source:
+                assert "the backward sends half as much, so the step sends 2/3" in cell.source, path.name
+
+
+def test_section_2_quotes_the_doctors_first_line_for_each_way_it_runs_a_script():
+    """Issue 56 item 4: 09b says what a learner's own script will meet: the launch modes (torchrun, simulated nodes,
+    a script that starts its own processes, --local_rank) and the CPU stand-in for CUDA scripts. Each phrase 09b
+    quotes is in the first line the doctor writes for such a run (diagnose and _how_it_ran on a run that recorded
+    no rank, so nothing is launched here)."""
+    from course.doctor import _how_it_ran, diagnose
+    from course.doctor.running import Job, Run
+
+    first_lines = []
+    for launch, nodes, arg in (("torchrun", 2, ""), ("torchrun", 1, ""), ("spawn", 1, "--local_rank")):
+        job = Job(Path("/tmp/train.py"), [], nproc=2, nodes=nodes, cwd=Path("/tmp"), launch=launch,
+                  local_rank_arg=arg)
+        run = Run(job, 0, "", {}, {}, 1.0, parent={"standin": ["train.py:3", "train.py:9"]})
+        shown = diagnose(run)
+        _how_it_ran(run, shown)
+        first_lines.append(shown.text().splitlines()[0].replace("`", ""))
+    section = next(c.source for c in cells() if "**What your script will meet.**" in c.source)
+    bullets = section.split("**What your script will meet.**")[1].split("\n\n")[0].splitlines()[1:]
+    quoted = [q for b in bullets for q in re.findall(r"`([^`]+)`:", b)]  # each phrase quoted, then what it means
+    assert len(bullets) == 4 and len(quoted) == 5, bullets
+    for phrase in quoted:
+        assert any(phrase.replace(" N ", " 2 ") in line for line in first_lines), (phrase, first_lines)
+
+
+def test_09b_names_cells_by_what_they_hold_and_promises_no_outcome():
+    """Audit N6-9 and design note 5: "your own fixed patient gets the same clean check" was a promise, and "(cell 5)"
+    a 0-based index JupyterLab does not show. The summary now points at the cell that prints the patient's state."""
+    text = "\n".join(c.source for c in cells())
+    assert not re.search(r"\bcells? \d", text), re.search(r"\bcells? \d", text)
+    assert "gets the same clean check" not in text and "同样干净的结果" not in text
+    summary = next(c.source for c in cells() if c.source.startswith("## Summary"))
+    assert "the check cell below the model answer printed how your own patient stands" in summary
+    check_cell = code_cell('check("../scripts/doctor_patient_fixed.py"').source
+    assert "your patient:" in check_cell  # that cell prints it
 
 
 @pytest.mark.parametrize("psi", [125e6, 1e9, 7e9, 30e9, 70e9])

@@ -33,6 +33,10 @@ ERRORS = {  # error lines as the ranks print them (torch 2.14, gloo), and the ki
     ("TypeError: Invalid function argument. Expected parameter `tensor` of type torch.Tensor but got <class "
      "'float'> instead."): "crash-not-tensor",
     "RuntimeError: grad can be implicitly created only for scalar outputs": "crash-grad",
+    "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn": "crash-no-graph",
+    ("RuntimeError: Trying to backward through the graph a second time (or directly access saved tensors after they "
+     "have already been freed)."): "crash-graph-freed",
+    "RuntimeError: a leaf Variable that requires grad is being used in an in-place operation.": "crash-leaf-inplace",
     ("ValueError: DistributedDataParallel device_ids and output_device arguments only work with single-device/"
      "multiple-device GPU modules or CPU modules, but got device_ids [0]"): "crash-device",
     ("RuntimeError: The size of tensor a (24) must match the size of tensor b (16) at non-singleton dimension "
@@ -54,6 +58,35 @@ def test_a_crash_is_named_by_its_error_and_its_first_rung_says_the_kind(error):
     first = EXERCISES["1"].hints_for(verdict.diagnosis)[0]
     assert (first != COMMON_HINTS["crash"][0]) == (ERRORS[error] is not None)
     assert crashes.named(Verdict("error", "hang", "", {"errors": {0: error}})).diagnosis == "hang"  # a hang stays one
+
+
+def test_each_refusal_of_backward_is_a_kind_whose_first_rung_names_its_own_cause():
+    """Audit N6-10: one kind, crash-grad, matched four refusals of backward() while its ladder named two causes
+    (a non-scalar output, no graph) and told the learner to call loss.backward(). Each refusal, raised here by this
+    torch, is now its own kind; its first rung names its cause and no other's."""
+    x = torch.ones(3, requires_grad=True)
+
+    def no_graph():
+        with torch.no_grad():
+            y = (x * 2).sum()
+        y.backward()
+
+    def twice():
+        y = (x * x).sum()
+        y.backward()
+        y.backward()
+
+    refusals = {"crash-grad": (lambda: (x * 2).backward(), "not a scalar"), "crash-no-graph": (no_graph, "no graph"),
+                "crash-graph-freed": (twice, "a second time"), "crash-leaf-inplace": (lambda: x.add_(1), "in-place")}
+    for kind, (refused, cause) in refusals.items():
+        with pytest.raises(RuntimeError) as raised:
+            refused()
+        error = f"RuntimeError: {raised.value}"
+        verdict = crashes.named(Verdict("error", "crash", "rank 0 crashed", {"errors": {0: error}, "rank": 0}))
+        assert verdict.diagnosis == kind, (kind, error)
+        first = EXERCISES["1"].hints_for(kind)[0]
+        assert cause in first and not [c for _, c in refusals.values() if c != cause and c in first], (kind, first)
+        assert kind not in GENERIC and len(COMMON_HINTS[kind]) == 3
 
 
 def test_the_error_is_read_whole_when_torch_breaks_its_line(tmp_path):

@@ -1,12 +1,14 @@
 """Helpers of notebook 07 (the capstone) that are not its lesson: launching train_flowers.py with rank 0's summary
-lines shown, a folder of images for predict.py, reading image summaries back from event files, and the results
-table. (load_weights lives in course.train_utils, beside train_flowers.py; the image check and denormalize in
-course.data, the ResNets in course.models; train_flowers.py draws its own figures.)
+lines shown, a folder of images for predict.py, reading image summaries back from event files, the results
+table and what its CPU ratio of 2 processes to 1 compares. (load_weights lives in course.train_utils, beside
+train_flowers.py; the image check and denormalize in course.data, the ResNets in course.models; train_flowers.py
+draws its own figures.)
 
     metrics = launch_flowers(run_dir, checkpoint_dir, 2, ["--epochs", 2], threads=1)  # prints rank 0's epoch lines
     folder, truth = predict_demo(image_folder, "runs/07_capstone_flowers/predict_demo")  # 8 validation images
     images = read_images("runs/07_capstone_flowers/np2")   # {tag: [(step, HxWx3 uint8 array), ...]}
     print(format_table(results_table({"np1": m1, "np2": m2}, target=0.75), 0.75))
+    print(threads_note(cpu_threads_rule(2), m1, m2))  # on a CPU: what the 1-vs-2 ratio compares
 """
 
 from __future__ import annotations
@@ -108,3 +110,26 @@ def format_table(rows: list[dict], target: float) -> str:
                      f"{r['accumulation']:>5} {fmt(r['samples_per_s'], '.0f'):>9} "
                      f"{fmt(r['time_to_target_s'], '.1f'):>9} {r['final_accuracy']:>9.3f} {r['best_accuracy']:>8.3f}")
     return "\n".join(lines)
+
+
+def threads_note(rule, one: dict, many: dict) -> str:
+    """What notebook 07's CPU comparison of 1 process with N compares, from the two runs' metrics.json and the
+    thread rule they ran under (``course.measure.cpu_threads_rule``): the ratio measured, and how the two runs
+    split the same work differently. It names what can slow either, never which did (one run each: no verdict).
+    "" when the 1 process has a single thread (then both runs use one thread per process)."""
+    if rule.one_process_threads <= 1 or not (one.get("samples_per_s") and many.get("samples_per_s")):
+        return ""
+    n, per = many["world_size"], rule.n_process_threads
+
+    def work(m):
+        k, b = m["accumulation_steps"], m["micro_batch"]
+        return f"{k} micro-batch{'es' if k > 1 else ''} of {b}"
+
+    return (f"{n} processes ran at {many['samples_per_s'] / one['samples_per_s']:.2f}x the samples/s of 1 (one run "
+            f"each). They split the same step differently: 1 process computes {work(one)} in turn, each operation "
+            f"split over its {rule.one_process_threads} threads; {n} processes compute {work(many)} each at the same "
+            f"time, on {per} thread{'s' if per > 1 else ''} each, then all-reduce the gradients. Either can lose "
+            "time: a thread that waits for another whose core some other program took slows every step of its "
+            f"process (notebook 01), and the all-reduce adds to every step of the {n} processes. So this ratio is "
+            "not DDP's alone; notebook 03's speed section compares 1 rank with 2 at one thread each, in interleaved "
+            "rounds.")

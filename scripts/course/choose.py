@@ -12,11 +12,12 @@ the ring formulas and notebook 10's and 11's collectives, and a pick.
 ``layouts`` returns ``Layout`` rows (name, mesh, gb_per_gpu, fits, intra_bytes, inter_bytes, bubble, note), in
 this order: DDP, HSDP, FSDP2, FSDP2 x TP, FSDP2 x PP. The same global batch everywhere: ``tokens`` per GPU per
 step (sequences x positions), so a group of t GPUs that computes one replica together (TP, PP) works on
-t x ``tokens``. ``width`` and ``layers`` default to ``shape(psi)``: a published shape for the sizes in ``SHAPES``,
-else a transformer with width = 128 x layers (12 layers width^2 = psi, GPT-3- and Llama-like proportions); ``microbatches`` to 4 per pipeline stage
+t x ``tokens``. ``width`` and ``layers`` default to ``shape(psi)``: for the sizes in ``SHAPES``, published shapes
+for 125M (GPT-2 small), 7B and 70B (Llama 2's) and a fitted one for 1B (12 x 20 x 2048^2 = 1.007e9; published 1B
+models such as Llama 3.2 1B and Pythia-1B use 16 x 2048); else a transformer with width = 128 x layers
+(12 layers width^2 = psi, GPT-3- and Llama-like proportions). ``microbatches`` defaults to 4 per pipeline stage
 (GPipe's rule of thumb). Everything is fp32 (``BYTES`` = 4), as the course trains. ``TOKENS`` and ``SHAPES``
-are the tokens per GPU and the (layers, width) that notebooks 09b and 12 print, so that both print the same
-figures for the same cluster.
+are the tokens per GPU and the (layers, width) that notebook 12 prints.
 
 - **Memory:** model states only (fp32 parameters and gradients, Adam's two moments: 16 bytes per parameter,
   divided as each layout divides them); activations are left out, so a layout "fits" when its model states
@@ -52,9 +53,9 @@ from course.sharding import SENT, model_states, predict
 
 GB = 1e9
 BYTES = 4  # fp32 activations and parameters, as the course trains
-TOKENS = 8192  # tokens each GPU computes per step (e.g. 2 sequences of 4096), as notebooks 09b and 12 assume
-SHAPES = {125e6: (12, 768), 1e9: (20, 2048), 7e9: (32, 4096), 70e9: (80, 8192)}  # (layers, width): GPT-2 small,
-# then Llama-like shapes; notebooks 09b and 12 print these
+TOKENS = 8192  # tokens each GPU computes per step (e.g. 2 sequences of 4096), as notebook 12 assumes
+SHAPES = {125e6: (12, 768), 1e9: (20, 2048), 7e9: (32, 4096), 70e9: (80, 8192)}  # (layers, width): GPT-2 small;
+# 1B fitted (12 L W^2 = 1.007e9, not a published shape); Llama 2's 7B and 70B. Notebook 12 prints these
 RULE = ("of the layouts that fit, the fewest bytes between nodes; a pipeline only when nothing else fits (its "
         "bubble costs compute time the bytes do not show); on a tie, the simpler layout; HSDP only across nodes")
 

@@ -1,10 +1,12 @@
 """The kind of a crash, read from what the run saw: the crashing rank's error (its type and text). A crash
 becomes ``crash-name`` (a name or attribute that does not exist), ``crash-none`` (None where a tensor belongs:
 a .grad never filled), ``crash-not-tensor`` (a collective given a Python number), ``crash-json`` (a tensor
-logged as a number), ``crash-grad`` (backward() refused), ``crash-device`` or ``crash-shape``; an error of no
-known kind stays ``crash``. Each kind has a hint ladder whose first rung names it (``CRASH_HINTS``, merged into
-the common hints). ``named`` is applied by ``exercises.check`` after an exercise's own reading of a crash
-(exercise 7's shapes, exercise 9's splits), which comes first.
+logged as a number), four refusals of backward(): ``crash-grad`` (a non-scalar output without its gradient),
+``crash-no-graph`` (a tensor with no graph behind it), ``crash-graph-freed`` (a second backward through a freed
+graph), ``crash-leaf-inplace`` (an in-place change of a leaf that requires grad); ``crash-device`` or
+``crash-shape``; an error of no known kind stays ``crash``. Each kind has a hint ladder whose first rung names it
+(``CRASH_HINTS``, merged into the common hints). ``named`` is applied by ``exercises.check`` after an exercise's
+own reading of a crash (exercise 7's shapes, exercise 9's splits), which comes first.
 """
 
 import re
@@ -14,8 +16,11 @@ KINDS = (  # (diagnosis, pattern over the error line): the first that matches na
     ("crash-none", r"NoneType"),
     ("crash-not-tensor", r"of type torch\.Tensor|Expected .*Tensor but got|must be (a )?Tensor"),
     ("crash-name", r"^(NameError|UnboundLocalError)\b|^AttributeError: .*has no attribute"),
-    ("crash-grad", (r"does not require grad|implicitly created only for scalar|backward through the graph a second "
-                   r"time|leaf Variable that requires grad")),
+    # backward() refused, in torch 2.14's words: each cause has its own kind, so that its hints name it
+    ("crash-grad", r"implicitly created only for scalar"),
+    ("crash-no-graph", r"does not require grad"),
+    ("crash-graph-freed", r"backward through the graph a second time"),
+    ("crash-leaf-inplace", r"leaf Variable that requires grad"),
     ("crash-device", r"device_ids|same device|\bCUDA\b|\bcuda\b|\bnccl\b|NCCL|No backend type associated"),
     ("crash-shape", (r"size mismatch|cannot be multiplied|must match the size|shape '\[.*\]' is invalid|Sizes of "
                     r"tensors must match|broadcast shape|mat1 and mat2|[Ee]xpected size|nbytes|size of tensor|"
@@ -64,12 +69,34 @@ CRASH_HINTS = {
         "Which value of the record is a tensor? print(type(v)) for each.",
         "Turn it into a number with .item() (after the all_reduce) before putting it in the record."],
     "crash-grad": [
-        ("backward() was refused: it was called on a tensor that is not a scalar without the gradient to start "
-         "from, or on one with no graph behind it."),
+        ("backward() was refused: it was called on a tensor that is not a scalar (more than one number), without "
+         "the gradient to start from."),
         ("backward() of a non-scalar output needs the gradient of that output: output.backward(grad). Only a scalar "
          "(a loss) can start a backward on its own."),
         ("Call loss.backward() on the scalar loss; an earlier pipeline stage calls output.backward(grad) with the "
          "gradient it received for that output.")],
+    "crash-no-graph": [
+        ("backward() was refused: the tensor it was called on has no graph behind it, because nothing that requires "
+         "grad went into it (a `.detach()` or `.item()` on the way, a forward under `torch.no_grad()`, or "
+         "parameters that were all frozen)."),
+        ("print(t.requires_grad, t.grad_fn) for the tensor backward() is called on, then for the tensors it was "
+         "computed from: where does grad_fn become None?"),
+        ("Compute the loss from the model's output in the training step, outside `torch.no_grad()` and without "
+         "`.detach()` or `.item()` on the way, and call backward() on it.")],
+    "crash-graph-freed": [
+        ("backward() ran a second time through a graph that the first backward() had already freed: one forward's "
+         "result went into two backward() calls (the same loss twice, or a tensor kept from an earlier step)."),
+        ("Count the backward() calls per forward: each needs a forward of its own. A tensor carried from one step "
+         "to the next (a running loss, a hidden state) carries that step's graph with it."),
+        ("Run a new forward before each backward(), or `.detach()` what you carry from one step to the next "
+         "(retain_graph=True only where two backward passes really share one forward).")],
+    "crash-leaf-inplace": [
+        ("An in-place operation (`add_`, `mul_`, `+=`, a slice assignment) changed a leaf that requires grad (a "
+         "parameter, or a tensor created with requires_grad=True) while autograd was recording."),
+        ("Which tensor does the in-place call on the line shown change? Is it a parameter, or was it created with "
+         "requires_grad=True?"),
+        ("Change parameters by hand inside `with torch.no_grad():`, as optimizers do, or compute a new tensor "
+         "(x = x + 1) instead of changing one in place.")],
     "crash-device": [
         ("The error is about devices: a tensor or a module on another device than the one asked for (DDP's "
          "device_ids with a model on the CPU, a CUDA call on a machine without one)."),
