@@ -310,7 +310,8 @@ def _how_it_ran(run: Run, report: Report) -> None:
     if run.job.launch == "spawn":
         report.command += "; started once as `python script`, its processes recorded"
     if run.job.local_rank_arg:
-        report.command += f"; given {run.job.local_rank_arg} as torch.distributed.launch gives it"
+        report.command += (f"; given {run.job.local_rank_arg}=N, spelled as the script declares it (torch.distributed"
+                           ".launch writes --local-rank since torch 2.0)")
     sites = run.standin_sites
     if sites:
         report.command += f"; CUDA/NCCL on a CPU stand-in at {len(sites)} call site{'s' if len(sites) > 1 else ''}"

@@ -8,6 +8,7 @@ and what it could not check."""
 import itertools
 import os
 import re
+import tempfile
 from collections import Counter
 
 from course.doctor.report import COST, Finding
@@ -230,7 +231,7 @@ def evaluation(records: dict, facts) -> None:
             facts.add(Finding(
                 "eval-one-shard", "Each rank evaluates its own shard and nothing combines the results: the "
                 "reported figure is one rank's share.",
-                f"rank 0 evaluated {first[ranks[0]]['count']} of {size} samples, and no collective followed before "
+                f"rank 0's evaluation pass covers {first[ranks[0]]['count']} of {size} samples, and no collective followed before "
                 "the next training step", "all_reduce [correct, total] (or the summed loss and count) after the "
                 "evaluation loop, on every rank"))
 
@@ -254,7 +255,11 @@ def writes(records: dict, facts) -> None:
             by_path.setdefault(path, set()).add(r)
             if EVENTS.search(os.path.basename(path)):
                 folders.setdefault(os.path.dirname(path), set()).add(r)
-    facts.checked.append(f"files written ({len(by_path)})")
+    temp = tempfile.gettempdir() + os.sep
+    in_temp = sum(str(p).startswith(temp) for p in by_path)
+    facts.checked.append(f"files written ({len(by_path)}"
+                         + (f", {in_temp} of them in the temporary folder {temp.rstrip(os.sep)}" if in_temp else "")
+                         + ")")
     shared = sorted(p for p, ranks in by_path.items() if len(ranks) > 1)
     shared_tb = sorted(f for f, ranks in folders.items() if len(ranks) > 1)
     if shared or shared_tb:

@@ -14,7 +14,8 @@ def why_not_averaged(records: dict, grads: dict) -> tuple:
     trained = {m["class"] for rec in records.values() for m in rec.get("modules", [])}
     if trained and "DistributedDataParallel" not in trained:
         return ((f", although the model is wrapped in DDP: the training forward calls the inner model "
-                f"({', '.join(sorted(trained))}, e.g. model.module(x)), so DDP's gradient hooks never run."),
+                f"({', '.join(sorted(trained))}, e.g. model.module(x)), so DDP's gradient hooks do nothing: DDP "
+                "expects a backward only after a forward through the wrapper."),
                 "call the DDP-wrapped model in training (model(x), not model.module(x))")
     unused = [n for n, fp in zip(grads["names"], grads["fp"]) if fp is None]
     if unused and not any(d["find_unused_parameters"] for d in ddps[0]):
