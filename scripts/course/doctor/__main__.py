@@ -9,12 +9,13 @@ from course.args import nonnegative_int, positive_float, positive_int
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, as every bad input gets (no usage block)
-        self.exit(2, f"error: {message} (python -m course.doctor --help)\n")
+        self.exit(2, f"error: {message} ({self.prog} --help)\n")
 
 
 def main(argv=None) -> int:
+    invoked = "ddp-doctor" if sys.argv and sys.argv[0].endswith("ddp-doctor") else "python -m course.doctor"
     parser = Parser(
-        prog="python -m course.doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=invoked, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Everything after SCRIPT goes to the script. Files it overwrites or deletes are restored afterwards; "
                "files it creates are moved to runs/doctor/<script>-<key>/files.")
     parser.add_argument("--nproc", type=positive_int, default=None, help="processes (default: 2, or one per GPU)")
