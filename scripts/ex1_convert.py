@@ -49,7 +49,7 @@ def evaluate(model, loader, device):
 def main():
     args = parse_args()
     rank, local_rank, world_size = ..., ..., ...  # TODO step 1: read them from torchrun's environment
-    # Step 2's tools (notebook 03's train_ddp.py gets them through course/train_utils.py and course/hardware.py):
+    # Step 2's tools (notebook 03's train_ddp.py uses them inline, step 2):
     # torch.accelerator.current_accelerator() (cuda, mps, ... or None), torch.accelerator.device_count(),
     # torch.accelerator.set_device_index(i), dist.get_default_backend_for_device(accelerator) (nccl for cuda) and
     # dist.Backend.backend_capability (the device types a backend carries); MPS cannot be carried between

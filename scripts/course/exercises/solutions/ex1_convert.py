@@ -48,7 +48,7 @@ def main():
     args = parse_args()
     # DDP step 1: torchrun gives every process its rank, its local rank (on this machine) and the world size.
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    # Step 2's tools (notebook 03's train_ddp.py gets them through course/train_utils.py and course/hardware.py):
+    # Step 2's tools (notebook 03's train_ddp.py uses them inline, step 2):
     # torch.accelerator.current_accelerator() (cuda, mps, ... or None), torch.accelerator.device_count(),
     # torch.accelerator.set_device_index(i), dist.get_default_backend_for_device(accelerator) (nccl for cuda) and
     # dist.Backend.backend_capability (the device types a backend carries); MPS cannot be carried between
