@@ -192,7 +192,8 @@ def test_evaluation_through_the_ddp_wrapper_on_one_rank_is_named():
     evals = [{"t": 1.0, "buffers": 3, "where": "train.py:40"}] * 5
     facts, codes = _codes(rules_ddp.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": []}})
     assert codes == ["eval-ddp-buffers"] and facts.findings[0].lesson
-    assert "rank 0: 5 forward(s)" in facts.findings[0].evidence and "train.py:40" in facts.findings[0].evidence
+    assert "rank 0: 5 buffer broadcast(s)" in facts.findings[0].evidence and "train.py:40" in facts.findings[0].evidence
+    assert "forward_sync_buffers=False" in facts.findings[0].fix and "first forward" in facts.findings[0].seen
     assert "model.module" in facts.findings[0].fix
     assert _codes(rules_ddp.eval_through_ddp, {0: {"ddp_eval": evals}, 1: {"ddp_eval": evals}})[1] == []
     no_buffers = [{"t": 1.0, "buffers": 0, "where": "x"}]  # nanoGPT's rank-0 estimate_loss: no collective
