@@ -56,10 +56,11 @@ bench: data
 gpu-check: data
 	$(PY) -m course.gpu_check
 
-# The DDP doctor to take home: a wheel (build/dist/) whose only requirement is torch; installed into
-# any environment, it gives the `ddp-doctor` command (tests/test_doctor_install.py installs one into a bare venv).
+# The DDP doctor to take home: a wheel (build/dist/) holding the ddp_doctor package alone, torch its only
+# requirement; installed into any environment, it gives the `ddp-doctor` command (tests/test_doctor_install.py
+# installs one into a bare venv).
 doctor-wheel: setup
-	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation --no-index -w build/dist .
+	$(PY) -m course.doctor_wheel build/dist
 
 lab: data
 	$(PY) -m course.lab

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 from course import ROOT, choose, quiz
-from course.doctor.report import Finding, Report
+from ddp_doctor.report import Finding, Report
 
 NOTEBOOK = ROOT / "notebooks" / "09b_check_your_script.ipynb"
 TWELVE = ROOT / "notebooks" / "12_composed_parallelism.ipynb"
@@ -76,7 +76,7 @@ def test_the_check_cell_reports_the_course_run_the_learners_fix_and_what_is_left
 def test_the_patient_fixed_as_the_report_says_checks_clean(tmp_path, datasets):
     """One launched doctor run (2 processes): the learner's fix, not the model answer, gets status 0, and the
     notebook's next cell then says so instead of failing."""
-    from course.doctor import check
+    from ddp_doctor import check
 
     source = code_cell("%%writefile ../scripts/doctor_patient.py").source
     script = tmp_path / "doctor_patient.py"
@@ -107,7 +107,7 @@ def test_the_doctors_fixes_stay_hidden_until_asked():
     """Review T5: 09b's check showed each fix word for word, so the task was transcription. The check cell now
     passes fixes=SHOW_FIXES (False as committed): the evidence and the lesson show, the fix does not, in the
     notebook's table and in text; True shows them."""
-    from course.doctor.report import HIDDEN
+    from ddp_doctor.report import HIDDEN
 
     cell = code_cell('check("../scripts/doctor_patient.py"').source
     calls = []
@@ -201,8 +201,8 @@ def test_section_2_quotes_the_doctors_first_line_for_each_way_it_runs_a_script()
     a script that starts its own processes, --local_rank) and the CPU stand-in for CUDA scripts. Each phrase 09b
     quotes is in the first line the doctor writes for such a run (diagnose and _how_it_ran on a run that recorded
     no rank, so nothing is launched here)."""
-    from course.doctor import _how_it_ran, diagnose
-    from course.doctor.running import Job, Run
+    from ddp_doctor.doctor import _how_it_ran, diagnose
+    from ddp_doctor.running import Job, Run
 
     first_lines = []
     for launch, nodes, arg in (("torchrun", 2, ""), ("torchrun", 1, ""), ("spawn", 1, "--local_rank")):

@@ -196,7 +196,7 @@ def test_a_block_whose_text_was_edited_by_hand_is_found():
 # --------------------------------------------------------------------------------- what the doctor finds
 
 def test_the_doctor_page_names_every_finding_it_has():
-    from course.doctor.report import LESSONS
+    from ddp_doctor.report import LESSONS
 
     text = (DOCS / "doctor.md").read_text()
     section = text[text.index("## What it finds"):text.index("## What it cannot see")]

@@ -1,4 +1,4 @@
-"""The DDP doctor (course.doctor) on scripts the course did not write for itself: every case of
+"""The DDP doctor (ddp_doctor) on scripts the course did not write for itself: every case of
 tests/fixtures/doctor/cases.json (the pitfalls of 04/04b that show on a CPU, exercise 6's bugs, the correct scripts,
 learner-shaped scripts with realistic mistakes) gets exactly its expected findings, no more; the learner's folder is
 left as it was; nothing is left running; the command line's exit status and one-line errors."""
@@ -11,18 +11,11 @@ import pytest
 from conftest import wait_for_no_processes
 
 from course import ROOT
-from course.doctor import (
-    Facts,
-    _own_failure,
-    _still_running,
-    cases,
-    diagnose,
-    rules_data,
-    rules_ddp,
-    rules_sync,
-)
-from course.doctor.report import COST, Finding, Report, clip
-from course.doctor.running import Job, Run
+from course import doctor_cases as cases
+from ddp_doctor import rules_data, rules_ddp, rules_sync
+from ddp_doctor.doctor import Facts, _own_failure, _still_running, diagnose
+from ddp_doctor.report import COST, Finding, Report, clip
+from ddp_doctor.running import Job, Run
 
 CASES = cases.load(bench=False)
 
@@ -120,7 +113,7 @@ def test_exit_status_follows_the_linters():
      "error: --compare-batch-arg=--batch-size: the script's arguments hold no `--batch-size N` to split"),
 ])
 def test_bad_input_gets_one_line_and_status_2(argv, message):
-    result = subprocess.run([sys.executable, "-m", "course.doctor", *argv], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "ddp_doctor", *argv], cwd=ROOT, capture_output=True, text=True,
                             check=False,
                             timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr

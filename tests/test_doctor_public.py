@@ -7,8 +7,8 @@ import pytest
 from conftest import wait_for_no_processes
 
 from course import ROOT
-from course.doctor import cases
-from course.doctor.report import COST
+from course import doctor_cases as cases
+from ddp_doctor.report import COST
 
 CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
 # article-train-multi-gpu-fixed: DataLoaders with worker processes, whose passes torch draws twice (a false
@@ -57,7 +57,7 @@ def test_the_benchmarks_plain_run_gets_the_exit_race_wait_and_the_stand_in(tmp_p
     import sys
 
     from course.bench_doctor_public import plain_env
-    from course.launcher.run import STARTUP
+    from ddp_doctor.runner.run import STARTUP
 
     env = plain_env(tmp_path, {"standin": True, "pretend": True})
     probe = ("import sys, sitecustomize, torch.distributed; print(sitecustomize.__file__); "

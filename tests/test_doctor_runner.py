@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from course import ROOT
-from course.doctor import check, doctor_folder
-from course.doctor.__main__ import main
-from course.doctor.running import Job, Run, _put_back, style
-from course.recorder import ENTRY
-from course.rundir import claim_run_dir
+from ddp_doctor import check, doctor_folder
+from ddp_doctor.__main__ import main
+from ddp_doctor.recorder import ENTRY
+from ddp_doctor.rundir import claim_run_dir
+from ddp_doctor.running import Job, Run, _put_back, style
 
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor_runner"
 
@@ -112,10 +112,12 @@ def test_the_launch_style_and_the_standin_are_read_from_the_code(tmp_path):
                                              "local_rank_arg": ""}
 
 
-def test_two_projects_scripts_of_one_name_get_two_folders(tmp_path):
+def test_two_projects_scripts_of_one_name_get_two_folders(tmp_path, monkeypatch):
     a, b = tmp_path / "a" / "train.py", tmp_path / "b" / "train.py"
     assert doctor_folder(a) != doctor_folder(b)
     assert doctor_folder(a).name.startswith("train-") and doctor_folder(a) == doctor_folder(a)
+    monkeypatch.chdir(tmp_path)  # relative to where the doctor runs, never to where it is installed
+    assert doctor_folder(a) == tmp_path / "runs" / "doctor" / doctor_folder(a).name == doctor_folder(a, tmp_path)
 
 
 def test_a_second_doctor_on_the_same_script_gets_one_line(tmp_path, capsys):
@@ -132,12 +134,12 @@ def test_a_second_doctor_on_the_same_script_gets_one_line(tmp_path, capsys):
 
 
 def test_ctrl_c_gets_one_line(tmp_path, capsys, monkeypatch):
-    import course.doctor
+    import ddp_doctor.doctor
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(course.doctor, "check", interrupted)
+    monkeypatch.setattr(ddp_doctor.doctor, "check", interrupted)
     assert main([str(tmp_path / "train.py")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: interrupted"), err
@@ -172,7 +174,7 @@ def test_a_cuda_nccl_script_is_checked_on_the_cpu(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "course.doctor", str(script), "2", "1"], check=False,
+    out = subprocess.run([sys.executable, "-m", "ddp_doctor", str(script), "2", "1"], check=False,
                          capture_output=True, text=True, cwd=tmp_path, timeout=240,
                          env={**os.environ, "TMPDIR": str(tmp)})
     first = out.stdout.splitlines()[0]
@@ -181,7 +183,7 @@ def test_a_cuda_nccl_script_is_checked_on_the_cpu(tmp_path):
     assert "what needs a GPU" in out.stdout and "NCCL-only behaviour" in out.stdout
     assert not list(tmp.glob("torchelastic_*")) and not list(tmp.glob("course-torchrun-*")), list(tmp.iterdir())
     assert time.monotonic() - start < 240
-    shutil.rmtree(doctor_folder(script), ignore_errors=True)
+    assert doctor_folder(script, tmp_path).is_dir()  # runs/doctor/... in the folder it was started in
 
 
 def test_a_script_that_spawns_its_own_processes_runs_once(tmp_path):
@@ -319,7 +321,7 @@ def test_a_rank_past_its_script_answers_with_its_last_record(tmp_path):
 def _watch_job(out: Path, nodes: int = 2):
     import threading
 
-    from course.doctor.running import _stop_when_hung
+    from ddp_doctor.running import _stop_when_hung
 
     out.mkdir(parents=True, exist_ok=True)
     job = Job(out / "x.py", [], nproc=2, nodes=nodes, timeout=120)

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Backend
 
-from course import SCRIPTS, hardware
+from course import SCRIPTS
 from course.hardware import CPU_BACKEND, backend_for, choose, describe, pick_device
 from course.launcher import plan
+from ddp_doctor import hardware
 
 # (accelerator report, processes) -> (device type the ranks use, their backend)
 RANKS = {

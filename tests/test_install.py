@@ -80,7 +80,7 @@ def test_the_course_runs_on_requirements_txt_and_never_imports_a_test_tool():
     runtime, tests = pins("requirements.txt"), pins("requirements-test.txt")
     assert {"pytest", "pytest-timeout", "playwright", "ruff"} <= set(tests) and not set(tests) & set(runtime)
     needed = installed_closure(runtime)
-    local = {"course"} | {p.stem for p in SCRIPTS.rglob("*.py")}
+    local = {"course", "ddp_doctor"} | {p.stem for p in SCRIPTS.rglob("*.py")}
     providers = metadata.packages_distributions()
     checked = 0
     for module, where in sorted(imported_modules().items()):

@@ -314,11 +314,11 @@ def test_killing_the_caller_ends_the_whole_job(how, psutil_there, wait_until, tm
 
 
 def test_the_process_table_without_psutil_agrees_with_psutil():
-    """course.launcher.procinfo (used where psutil is not installed) sees the same tree, creation times and
+    """ddp_doctor.runner.procinfo (used where psutil is not installed) sees the same tree, creation times and
     zombies as psutil, and never signals a process that has ended."""
     import psutil
 
-    from course.launcher import procinfo
+    from ddp_doctor.runner import procinfo
 
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
     tree = subprocess.Popen([sys.executable, "-c", code + "time.sleep(60)"])
@@ -482,7 +482,7 @@ def test_different_lines_from_each_rank_are_all_shown():
         launch(FAILS, nproc=2, args=["--epochs", "x"], timeout=120, on_line=stream_lines.append)
     stream = "".join(stream_lines)
     assert stream.count("error: argument --epochs: invalid int value: 'x'") == 1
-    from course.launcher.stream import TorchrunStream
+    from ddp_doctor.runner.stream import TorchrunStream
 
     feed = TorchrunStream()
     lines = ["[rank0]:Traceback (most recent call last):\n", "[rank1]:Traceback (most recent call last):\n",
@@ -562,7 +562,7 @@ def test_a_launch_removes_log_folders_whose_owner_is_gone(tmp_path, monkeypatch)
 
     import psutil
 
-    from course.launcher.processes import LOG_PREFIX
+    from ddp_doctor.runner.processes import LOG_PREFIX
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     born = psutil.Process(gone.pid).create_time()
@@ -637,12 +637,13 @@ def test_a_hang_names_the_rank_that_timed_out_first_not_the_first_to_exit(tmp_pa
 
 
 def test_the_launchers_jobs_start_with_the_exit_race_wait(monkeypatch, tmp_path):
-    """Gloo's exit race: every job run_commands starts imports course/launcher/startup/sitecustomize.py, whose
+    """Gloo's exit race: every job run_commands starts imports ddp_doctor/runner/startup/sitecustomize.py, whose
     exit handler waits (while torch.distributed is loaded) until no other thread of the process is runnable."""
     import atexit
     import importlib.util
 
-    from course.launcher.run import STARTUP, run_commands
+    from course.launcher import run_commands
+    from ddp_doctor.runner.run import STARTUP
 
     result = run_commands([("", [sys.executable, "-c", "import sitecustomize; print(sitecustomize.__file__)"], {})],
                           timeout=60, on_line=lambda line: None)

@@ -1,10 +1,12 @@
-"""The helper package's layout (issue 22): one job per module, said in its docstring, and no module over 350 lines."""
+"""The helper packages' layout (issue 22; issue 53: the take-home doctor, ddp_doctor, too): one job per module, said
+in its docstring, and no module over 350 lines."""
 
 import ast
 
 from course import SCRIPTS
 
-MODULES = sorted((SCRIPTS / "course").rglob("*.py"))
+MODULES = sorted(p for package in ("course", "ddp_doctor") for p in (SCRIPTS / package).rglob("*.py")
+                 if "build" not in p.relative_to(SCRIPTS).parts)
 
 
 def test_every_course_module_is_small_and_says_its_job():

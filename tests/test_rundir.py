@@ -1,4 +1,4 @@
-"""The run directory (course.rundir, course.launcher.rundir): one live run at a time, claimed atomically;
+"""The run directory (ddp_doctor.rundir, course.rundir, course.launcher.rundir): one live run at a time, claimed atomically;
 a run's results replace the previous ones only when it succeeds."""
 
 import json

@@ -1,8 +1,17 @@
 """Shared helpers for the course: one module per concern.
 
+Two packages under scripts/, the course on top of the take-home tool, never the reverse:
+- ``ddp_doctor``  the DDP doctor, installed alone (``make doctor-wheel``; torch its only requirement): the doctor
+  (``check``, ``ddp-doctor``), the recorder that runs inside the ranks (``ddp_doctor.recorder``, shared with the
+  exercise checker), the runner that starts, bounds, watches and stops a torchrun job and names the failing rank
+  (``ddp_doctor.runner``, shared with the notebook launcher), the device/backend rule (``ddp_doctor.hardware``) and
+  the run-directory claim (``ddp_doctor.rundir``). It imports nothing of ``course`` (a test checks it); its map is
+  its own ``__init__``.
+- ``course``      this package, the course's helpers below; it imports those shared pieces from ``ddp_doctor``.
+
 The core path's scripts (train_single.py, train_ddp.py) are plain PyTorch and import none of these.
 Used by the other training scripts (import only what a training process needs):
-- ``course.hardware``    which device and backend a process uses: the one rule, for every accelerator
+- ``course.hardware``    which device and backend a process uses, by ``ddp_doctor.hardware``'s one rule
 - ``course.data``        load the datasets (generated, or real ones via COURSE_*_DIR)
 - ``course.models``      the MLP, a small CNN and ResNet-18
 - ``course.train_utils`` what the take-home scripts share that is not about training (copied with them)
@@ -12,7 +21,7 @@ Used by the other training scripts (import only what a training process needs):
 - ``course.args``        argparse validators; ``course.errors``  one clear error, printed once
 - ``course.commhooks``   a DDP communication hook that counts all-reduces and bytes (notebook 05)
 - ``course.sharding``    memory of sharded training, predicted and counted (notebook 08)
-- ``course.notebook``    ``in_notebook()``: the one rule for "am I running in a Jupyter kernel?"
+- ``course.notebook``    ``in_notebook()``: the one rule for "am I running in a Jupyter kernel?" (``ddp_doctor.report``'s)
 - ``course.quiz``        "Check yourself" questions that start unanswered (keys in ``course/answer_key/``)
 - ``course.exercise_tasks`` data, models and a step recorder for notebook 09's exercise scripts
 - ``course.capstone``    the capstone's weight loading and image check (notebook 07)
@@ -20,12 +29,14 @@ Used by the other training scripts (import only what a training process needs):
 - ``course.gpt_stages``  the GPT cut into pipeline stages; ``course.pp_recorder``  what each stage did (notebook 11)
 - ``course.comm_count``  collectives and bytes a piece of code runs, counted and predicted (notebooks 10, 12)
 - ``course.moe``         the mixture-of-experts layer of notebook 12 and exercise 9
-- ``course.rundir``      one live run per run directory (an atomic claim), results replaced all at once
+- ``course.rundir``      one live run per run directory (``ddp_doctor.rundir``'s claim), results replaced all at once,
+  a resumed run's events kept
 - ``course.dcp_check``   is a DCP checkpoint folder whole, and does it hold only data: one line saying what is wrong;
   the weights-only load planner every DCP load of the course uses (notebooks 08, 12)
 Used by notebooks and tests:
 - ``course.datagen``     generate the offline datasets (``make data``); ``course.flower_art`` draws one flower
-- ``course.launcher``    torchrun from a notebook cell: live output, timeout, no orphans, the failing rank's error
+- ``course.launcher``    torchrun from a notebook cell: live output, a course script by name, its run directory; the
+  job run by ``ddp_doctor.runner`` (timeout, no orphans, the failing rank's error), whose names it offers too
 - ``course.widget``      a launch panel; ``course.inline_tensorboard``  TensorBoard inline + matplotlib curves
 - ``course.scriptdiff``  the diff between two scripts, checked for step markers
 - ``course.rounds``      configurations of a script launched in alternating rounds (notebooks 01, 03)
@@ -36,10 +47,9 @@ Used by notebooks and tests:
   drawings each
 - ``course.choose``      which parallelism fits: memory and communication per layout (notebook 12's table)
 - ``course.published``   published GPU figures, labelled as such, for the cells that skip on a CPU
-- ``course.recorder``    a package: what runs inside the ranks (``recorder.py``, ``recorder_collectives``,
-  ``recorder_training``): the one recorder of the exercise checker and the doctor
 - ``course.exercises``   notebook 09's checker, a package: exercises checked against a one-process reference
-- ``course.doctor``      the DDP doctor, a package: runs a learner's own script and names its mistakes (09b)
+- ``course.doctor_cases`` the doctor's test set (tests/fixtures/doctor), for its tests and ``course.bench_doctor``;
+  ``course.doctor_wheel``  ``make doctor-wheel``; ``python -m course.doctor`` is ``ddp-doctor`` by its old name
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.times``       the course's times, one source (``notebooks/times.json``) for the README and every header
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)

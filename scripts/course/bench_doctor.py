@@ -19,11 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from course import ROOT
+from course import doctor_cases as cases
 from course.args import nonnegative_int, positive_int, repo_path
-from course.doctor import cases
-from course.doctor.running import Job, run
 from course.measure import compare
 from course.runlog import RunLog
+from ddp_doctor.running import Job, run
 
 # the start-up alone, then whole runs of a few seconds each: a model the doctor records every step of
 OVERHEAD = [("tests/fixtures/doctor/startup_only.py", []),

@@ -13,9 +13,9 @@ expects. Time: for each fixed script, the doctor (as a learner runs it) against 
 interleaved (course.measure.compare). The plain run is the script as its author runs it (``python script.py`` for
 a script that starts its own processes, else ``torchrun --standalone --nproc-per-node=2``), whole, without the
 recorder; a script written for CUDA on a machine with fewer GPUs than ranks cannot run plain, so there it runs on
-the CPU stand-in alone (``course/recorder/recorder_standin.py``, installed at start-up in every process), the
+the CPU stand-in alone (``ddp_doctor/recorder/recorder_standin.py``, installed at start-up in every process), the
 nearest to a plain run such a script has. Both get the pause at exit every job of the course launcher gets (gloo's
-exit race, ``course/launcher/startup/``), as the doctor's runs do. Everything goes to runs/benchmarks/doctor_public/metrics.json.
+exit race, ``ddp_doctor/runner/startup/``), as the doctor's runs do. Everything goes to runs/benchmarks/doctor_public/metrics.json.
 """
 
 import argparse
@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 
 from course import ROOT
+from course import doctor_cases as cases
 from course.args import nonnegative_int, repo_path
-from course.doctor import cases
-from course.launcher.run import STARTUP
 from course.measure import compare
 from course.runlog import RunLog
+from ddp_doctor.recorder import ENTRY as RECORDER
+from ddp_doctor.runner.run import STARTUP
 
 CASES = ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json"
 GOAL_SECONDS = 120  # issue 41: each check within 2 minutes on a CPU machine
@@ -69,7 +70,7 @@ def plain_env(work: Path, how: dict) -> dict:
         (site / "sitecustomize.py").write_text(STANDIN_SITE)
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (STARTUP, site, os.environ.get("PYTHONPATH")) if p)
     if how["standin"]:
-        env.update(COURSE_BENCH_STANDIN=str(ROOT / "scripts" / "course" / "recorder"),
+        env.update(COURSE_BENCH_STANDIN=str(RECORDER.parent),
                    COURSE_BENCH_PRETEND="1" if how["pretend"] else "", COURSE_RECORD_GPUS="2")
     return env
 
@@ -84,7 +85,7 @@ def plain_once(case: cases.Case, work: Path, how: dict, timeout: float = 300) ->
     seconds = time.monotonic() - start
     shutil.rmtree(cwd, ignore_errors=True)
     if done.returncode != 0:
-        from course.launcher.torchrun_output import describe_failure
+        from ddp_doctor.runner.torchrun_output import describe_failure
 
         why = describe_failure(done.stdout + done.stderr, done.returncode).replace("\n", " | ")
         raise RuntimeError(f"{case.name}: the plain run failed: {why[:400]}")
@@ -99,8 +100,8 @@ def doctor_once(case: cases.Case, work: Path) -> float:
 
 
 def timing(case: cases.Case, work: Path, repeats: int) -> dict:
-    from course.doctor.running import style
     from course.hardware import accelerator
+    from ddp_doctor.running import style
 
     work.mkdir(parents=True, exist_ok=True)
     acc, count = accelerator()

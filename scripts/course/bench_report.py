@@ -62,8 +62,8 @@ def _accuracy(a: dict) -> dict:
 
 
 def _doctor(m: dict) -> dict:
-    from course.doctor.cases import load
-    from course.doctor.report import LESSONS
+    from course.doctor_cases import load
+    from ddp_doctor.report import LESSONS
 
     tested = sorted({code for case in load() for code in case.expect})
     cost = [{"script": row["script"], "plain_s": row["plain_s"], "ratio": row["doctor_over_plain"],

@@ -233,7 +233,7 @@ def cpu_threads_rule(nproc: int, cores: int | None = None) -> ThreadRule:
     process equal": the question such a comparison asks is whether this machine trains faster split into
     N processes than as one, so both runs must use the same cores. With equal threads per process the
     single process would leave cores idle that the N processes use, and N processes would look faster
-    by construction. It is also what course.launcher.plan gives each rank. cores: default course.hardware.cpu_cores().
+    by construction. It is also what ddp_doctor.runner.plan gives each rank. cores: default course.hardware.cpu_cores().
     """
     if nproc < 1:
         raise ValueError("nproc must be at least 1")

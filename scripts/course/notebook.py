@@ -1,12 +1,4 @@
-"""The one rule for "am I running in a Jupyter kernel?" (rich HTML output, widgets) — nothing else."""
+"""The one rule for "am I running in a Jupyter kernel?" (rich HTML output, widgets) — nothing else. Its home is
+``ddp_doctor.report`` (the doctor shows its report as a table in a notebook); the course asks it from here."""
 
-
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel (a notebook, or JupyterLab's console); False in a plain Python process,
-    a terminal IPython, or a test."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
+from ddp_doctor.report import in_notebook  # noqa: F401

@@ -26,7 +26,7 @@ import ipywidgets as widgets
 
 from course import ROOT, SCRIPTS
 from course.launcher import LaunchError, launch, plan, resolve_script
-from course.launcher.torchrun_output import split_chunk
+from ddp_doctor.runner.torchrun_output import split_chunk
 
 # tqdm's default format: "epoch 1:  40%|████      | 20/50 [00:03<00:05, 6.1it/s]"
 PROGRESS = re.compile(r"^\s*(?:(?P<desc>[^|]*?):\s*)?(?:\d+%\|[^|]*\|\s*)?(?P<n>\d+)/(?P<total>\d+)\s*\[")

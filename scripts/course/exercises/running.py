@@ -1,6 +1,6 @@
 """Reading and running a learner's script: what is reported without running anything (a missing file, a syntax
 error, gaps still marked ``...  # TODO``), launching it on ``NPROC`` processes under the recorder
-(``course/recorder/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
+(``ddp_doctor/recorder/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
 into a verdict that names the rank and the line of the learner's script, and calling learner code in this
 process under a time limit (exercises checked without processes).
 """
@@ -21,9 +21,9 @@ import torch
 
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
-from course.launcher.stacks import one_line
-from course.launcher.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
-from course.recorder import ENTRY as RECORDER
+from ddp_doctor.recorder import ENTRY as RECORDER
+from ddp_doctor.runner.stacks import one_line
+from ddp_doctor.runner.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 
 PG_TIMEOUT_S = 10  # process-group timeout passed to the scripts: a rank waiting for a partner gives up after it
 LAUNCH_TIMEOUT_S = 90  # wall-clock limit of a whole launch (a loop that never ends); check(timeout=) changes it
@@ -72,10 +72,10 @@ def static_check(path: Path) -> Verdict | None:
 class Run:
     returncode: int | None  # None: stopped at the wall-clock limit
     output: str
-    records: dict  # rank -> what course/recorder.py recorded
+    records: dict  # rank -> what ddp_doctor/recorder/recorder.py recorded
     out: Path
     seconds: float
-    places: str = ""  # where each rank was at a timeout (course.launcher.stacks), one line
+    places: str = ""  # where each rank was at a timeout (ddp_doctor.runner.stacks), one line
 
     @property
     def ok(self) -> bool:

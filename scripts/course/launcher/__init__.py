@@ -10,27 +10,32 @@ and an interrupted cell can leave ranks behind. Here torchrun runs in its own pr
 on success, failure, timeout, Stop or cell interrupt the whole process tree is ended, and a small
 watchdog process ends it too when the process that launched it dies (a killed or crashed kernel).
 
-One module per job: ``plan`` (device, backend, threads, refusals, the command line), ``run``
-(start, stream, timeout, result), ``stream`` (what the live output shows), ``torchrun_output`` (the
-one reader of torchrun's output and failure report), ``processes`` (watchdog, ending trees, ports),
-``rundir`` (the run directory: claimed, staged, published only on success), ``stacks`` (where each rank was: its
-Python stack, dumped on request before a timed-out job is stopped, or when a rank's own wait times out).
+The job itself is run by ``ddp_doctor.runner``, the runner the take-home doctor uses too (plan, start, stream,
+timeout, the failing rank named, no orphans); its names are importable from here. The course's own part: ``run``
+(``launch``: the plan's first line, a course script found by name, the repository root as working directory;
+``show_report``), ``rundir`` (the run directory: claimed, staged, published only on success).
 
 Working directory: the repository root (what the course's scripts expect), unless ``cwd=`` says
 otherwise, e.g. for a script of your own that writes relative paths.
 """
 
-from course.launcher.plan import LaunchRefused, Plan, plan, resolve_script, torchrun_command
-from course.launcher.processes import free_port, kill_tree, start_watchdog
-from course.launcher.run import LaunchError, RunResult, launch, run_commands, show_report
-from course.launcher.torchrun_output import (
+from course.launcher.run import launch, resolve_script, run_commands, show_report, torchrun_command
+from course.rundir import RunDirBusy
+from ddp_doctor.runner import (
+           LaunchError,
+           LaunchRefused,
+           Plan,
+           RunResult,
            describe_failure,
            first_failure,
+           free_port,
+           kill_tree,
+           plan,
            rank_lines,
            report_entries,
+           start_watchdog,
            unglue,
 )
-from course.rundir import RunDirBusy
 
 __all__ = ["LaunchError", "LaunchRefused", "Plan", "RunDirBusy", "RunResult", "describe_failure", "first_failure",
            "free_port", "kill_tree", "launch", "plan", "rank_lines", "report_entries", "resolve_script",

@@ -1,4 +1,4 @@
-"""Running a learner's script for the doctor: N processes under the recorder (``course/recorder/recorder.py``), on one node
+"""Running a learner's script for the doctor: N processes under the recorder (``ddp_doctor/recorder/recorder.py``), on one node
 or as simulated nodes, bounded by a timeout; a hang is stopped only after every rank has said where it was. After
 the run the learner's folders are as they were: files the script overwrote or deleted are restored, files it
 created are moved into the doctor's folder (``files``).
@@ -26,7 +26,7 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.recorder import ENTRY as RECORDER
+from ddp_doctor.recorder import ENTRY as RECORDER
 
 
 @dataclass
@@ -75,7 +75,7 @@ _PORTS_LOCK = threading.Lock()
 
 
 def _port() -> int:
-    from course.launcher import free_port
+    from ddp_doctor.runner import free_port
 
     with _PORTS_LOCK:
         while (port := free_port()) in _PORTS:
@@ -115,7 +115,7 @@ def style(script: Path, gpus: int, nproc: int) -> dict:
 
 
 def _commands(job: Job, log_dir: str, plain: bool = False) -> list:
-    from course.launcher import plan, torchrun_command
+    from ddp_doctor.runner import plan, torchrun_command
 
     chosen = plan(job.nproc, allow_oversubscribe=True)
     script, args = (job.script, list(map(str, job.args))) if plain else (RECORDER, [str(job.script), *map(str, job.args)])
@@ -163,7 +163,7 @@ def _ended(out: Path, seen: dict) -> dict:
 
 def _exited(pid) -> bool:
     """Whether a rank's process has exited (False when not known)."""
-    from course.launcher.processes import _running, psutil
+    from ddp_doctor.runner.processes import _running, psutil
 
     if not pid:
         return False
@@ -230,8 +230,8 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
     run created moved to ``files`` (default ``out/files``). plain=True: the script alone, without the recorder
     (for measuring what the recorder costs). An interrupt (Ctrl+C) ends every process and puts the files back
     before it goes on."""
-    from course.launcher import LaunchError, run_commands
-    from course.launcher.processes import log_folder
+    from ddp_doctor.runner import LaunchError, run_commands
+    from ddp_doctor.runner.processes import log_folder
 
     out.mkdir(parents=True)
     log_dir = log_folder()  # named after this process: removed after the job, or by the next launch if we die
@@ -257,7 +257,7 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
         if why == ["exited"]:  # what the ranks ended with, as if torchrun's agents had exited with them
             code = int(any(_ended(out, {}).values()))
         if code:
-            from course.launcher import describe_failure
+            from ddp_doctor.runner import describe_failure
 
             failure = describe_failure(output, code) or ""
     except KeyboardInterrupt:

@@ -29,7 +29,7 @@ class Case:
 @dataclass
 class Outcome:
     case: Case
-    report: object  # course.doctor.report.Report
+    report: object  # ddp_doctor.report.Report
     cwd: Path
     folder: Path
     seconds: float
@@ -63,7 +63,7 @@ def load(path: Path = CASES, bench: bool = True) -> list[Case]:
 
 
 def run_case(case: Case, root: Path) -> Outcome:
-    from course.doctor import check
+    from ddp_doctor import check
 
     cwd, folder = root / case.name / "cwd", root / case.name / "doctor"
     cwd.mkdir(parents=True, exist_ok=True)

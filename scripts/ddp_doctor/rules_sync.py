@@ -6,8 +6,8 @@ dump and the flight recorder), collectives that do not match (flight recorder, o
 import os
 import re
 
-from course.doctor.report import Finding, clip
-from course.doctor.rules_ddp import why_not_averaged
+from ddp_doctor.report import Finding, clip
+from ddp_doctor.rules_ddp import why_not_averaged
 
 RTOL = 1e-6  # fingerprints of replicas agree to float rounding; every mistake looked for is far larger
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single")

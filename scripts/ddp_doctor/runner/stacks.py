@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.launcher.processes import log_folder
-from course.launcher.startup import _course_stacks as rank_side  # the ranks' side: registering, asking
-from course.launcher.torchrun_output import _short
+from ddp_doctor.runner.processes import log_folder
+from ddp_doctor.runner.startup import _course_stacks as rank_side  # the ranks' side: registering, asking
+from ddp_doctor.runner.torchrun_output import _short
 
 ENV, ASKED = rank_side.ENV, rank_side.ASKED
 THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):")

@@ -1,4 +1,4 @@
-"""Imported by Python at start-up in every process the course launcher starts (run_commands puts this folder first on
+"""Imported by Python at start-up in every process the runner starts (run_commands puts this folder first on
 PYTHONPATH); never in a learner's own runs of a script.
 
 Gloo's exit race (pytorch/pytorch#117762): a gloo worker thread marks a collective done, wakes the script, and only
@@ -7,7 +7,7 @@ reaches its end, the thread lets go while Python is finalizing, cannot take the 
 aborts ("terminate called without an active exception") after the script's last line; a barrier does not help,
 since gloo runs collectives on two worker threads. Here, at exit and while Python can still take the tensors back,
 the process waits until its other threads are no longer runnable (on Linux, from /proc; elsewhere a short pause),
-at most ``EXIT_WAIT_S``. The launcher still names the abort if it happens (course.launcher.torchrun_output).
+at most ``EXIT_WAIT_S``. The launcher still names the abort if it happens (ddp_doctor.runner.torchrun_output).
 
 Where each rank is, on request: a rank of a job whose launcher gave it a folder (``COURSE_STACKS_DIR``) dumps its
 Python stack there on SIGUSR2, and asks the other ranks for theirs when its own wait times out (``_course_stacks.py``).

@@ -8,6 +8,19 @@ from dataclasses import asdict, dataclass, field
 
 MISTAKE, COST = "mistake", "cost"
 HIDDEN = "(hidden: find it from the evidence; check(..., fixes=True) shows it)"  # a diagnosis exercise (09b)
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (a notebook, or JupyterLab's console); False in a plain Python process,
+    a terminal IPython, or a test."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
 LESSONS = {  # where the course teaches each finding
     "not-distributed": "notebook 03, step 1", "same-device": "notebook 04, pitfall 1",
     "local-rank": "notebook 04, pitfall 6", "not-sharded": "notebook 03, step 4",

@@ -1,12 +1,11 @@
 """What a launch will use, decided before anything starts: device, backend, CPU threads per rank and
-refusals (from course.hardware's one rule), the torchrun command line and the script's path."""
+refusals (from ddp_doctor.hardware's one rule), and the torchrun command line."""
 
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from course import ROOT, SCRIPTS
-from course.hardware import accelerator_name, choose, cpu_cores
+from ddp_doctor.hardware import accelerator_name, choose, cpu_cores
 
 
 class LaunchRefused(ValueError):
@@ -15,7 +14,7 @@ class LaunchRefused(ValueError):
 
 @dataclass
 class Plan:
-    """What a launch will use, decided from the hardware before anything starts (course.hardware's rule)."""
+    """What a launch will use, decided from the hardware before anything starts (ddp_doctor.hardware's rule)."""
 
     nproc: int
     backend: str  # the process-group backend of the ranks: "gloo", "nccl", "xccl", ...
@@ -42,14 +41,14 @@ class Plan:
 
 
 def plan(nproc: int, backend: str = "auto", *, allow_oversubscribe: bool = False, report=None) -> Plan:
-    """Choose backend, device and CPU threads per rank with course.hardware's rule; decide refusals.
+    """Choose backend, device and CPU threads per rank with ddp_doctor.hardware's rule; decide refusals.
 
     Raises ValueError for what cannot work (nccl without a GPU per process). What works but only
     makes things worse (more CPU ranks than cores) is recorded in ``refusal``: launch() and the
     widget refuse it, unless ``allow_oversubscribe=True`` (to demonstrate oversubscription).
     report: a faked (accelerator type, count), for tests.
     """
-    from course.hardware import accelerator
+    from ddp_doctor.hardware import accelerator
 
     acc, count = report if report is not None else accelerator()
     chosen = choose(nproc, backend, ranks=True, report=(acc, count))
@@ -105,15 +104,5 @@ def torchrun_command(script: str | Path, nproc: int, args=(), torchrun_args=(), 
             raise ValueError(f"{' '.join(clash)}: rendezvous flags need standalone=False "
                              "(--standalone picks its own rendezvous and would ignore them)")
     return [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if standalone else []),
-            f"--nproc-per-node={nproc}", "--tee=3", "--role=rank", *torchrun_args, str(resolve_script(script)),
+            f"--nproc-per-node={nproc}", "--tee=3", "--role=rank", *torchrun_args, str(Path(script).resolve()),
             *map(str, args)]
-
-
-def resolve_script(script: str | Path, cwd=None) -> Path:
-    """A script name as given (relative to ``cwd`` if given, else to the working directory), else
-    relative to the repository, else to scripts/."""
-    places = ([Path(cwd) / script] if cwd is not None else []) + [Path(script), ROOT / script, SCRIPTS / script]
-    for path in places:
-        if path.is_file():
-            return path.resolve()
-    raise FileNotFoundError(f"no such script: {script} (looked here, in {ROOT} and in {SCRIPTS})")

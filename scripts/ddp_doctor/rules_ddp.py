@@ -2,7 +2,7 @@
 accumulation (one all-reduce per optimizer step), its costly settings, evaluation through the wrapper on some
 ranks only (buffers broadcast), and why gradients were not averaged in a model that DDP wraps."""
 
-from course.doctor.report import COST, Finding
+from ddp_doctor.report import COST, Finding
 
 
 def why_not_averaged(records: dict, grads: dict) -> tuple:

@@ -2,7 +2,7 @@
 folders) when the process that launched it dies, the launcher's log folders named by their owner, and
 free ports.
 
-The watchdog runs as ``python -m course.launcher.processes PARENT CREATED PIDS REMOVE`` (JSON lists):
+The watchdog runs as ``python -m ddp_doctor.runner.processes PARENT CREATED PIDS REMOVE`` (JSON lists):
 when PARENT dies by any signal, SIGKILL included (a killed notebook kernel), or when the watchdog itself
 is told to stop (SIGTERM: stopping Lab ends the whole tree it started), it ends the job's process trees
 and removes the folders. It exits by itself when they have all ended. Same on Linux and macOS (it
@@ -29,15 +29,15 @@ from pathlib import Path
 try:
     import psutil
 except ImportError:  # the doctor taken home (torch its only requirement): the process table read by hand
-    from course.launcher import procinfo as psutil
+    from ddp_doctor.runner import procinfo as psutil
 
-from course import SCRIPTS
+HOME = Path(__file__).resolve().parents[2]  # the folder that holds the ddp_doctor package: the watchdog imports it
 
 
 def start_watchdog(pids: list[int], remove=()) -> subprocess.Popen:
     """Start the watchdog for these process trees; ``remove``: folders it deletes when it ends them."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    argv = [sys.executable, "-m", "course.launcher.processes", str(os.getpid()), repr(psutil.Process().create_time()),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOME), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    argv = [sys.executable, "-m", "ddp_doctor.runner.processes", str(os.getpid()), repr(psutil.Process().create_time()),
             json.dumps(list(pids)), json.dumps([str(r) for r in remove])]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True, env=env)

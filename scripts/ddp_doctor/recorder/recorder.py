@@ -1,7 +1,7 @@
 """The recorder: runs a training script under torchrun and records, per rank, what it did (used by the
 exercise checker and by the DDP doctor; not started by learners).
 
-    torchrun --nproc-per-node=2 scripts/course/recorder/recorder.py SCRIPT [ARGS...]
+    torchrun --nproc-per-node=2 scripts/ddp_doctor/recorder/recorder.py SCRIPT [ARGS...]
 
 Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
 records facts that the script cannot fake or forget to report:
@@ -47,7 +47,7 @@ PROTECT = os.environ.get("COURSE_RECORD_PROTECT", "0") not in ("", "0")
 PG_TIMEOUT = float(os.environ.get("COURSE_RECORD_PG_TIMEOUT") or 0)
 SINCE = float(os.environ.get("COURSE_RECORD_SINCE") or 0)  # when the job started: older files were there before
 SCRIPT = os.path.abspath(os.environ.get("COURSE_RECORD_SCRIPT") or (sys.argv[1] if len(sys.argv) > 1 else ""))
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the course helpers: not the script
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the doctor's own code: not the script
 # Writes there are the libraries' own (devices, caches, compiled kernels, torchrun's logs), not the script's.
 IGNORED = tuple(os.path.realpath(p) + os.sep for p in {"/dev", "/proc", "/sys", os.path.expanduser("~/.cache"),
                                                         sys.prefix, sys.base_prefix})

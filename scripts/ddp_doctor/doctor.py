@@ -1,8 +1,8 @@
 """The DDP doctor: runs a learner's own torchrun-ready training script on several processes under the recorder and
 names its data-parallel mistakes, each with the run's evidence, the fix and the lesson that teaches it.
 
-    python -m course.doctor train.py --epochs 2            # from a shell: a report, exit status 0 / 1 / 2
-    from course.doctor import check                        # from a notebook: the same report as a table
+    ddp-doctor train.py --epochs 2                         # from a shell: a report, exit status 0 / 1 / 2
+    from ddp_doctor import check                           # from a notebook: the same report as a table
     report = check("train.py", args=["--epochs", "2"])
 
 What it runs: the script as torchrun would (its own arguments, its working directory), on 2 processes (one per
@@ -10,7 +10,8 @@ GPU where there are 2 or more; on a CPU machine as 2 nodes of 1 process, so that
 on a cluster), each training pass over a DataLoader cut to ``steps`` batches, the process-group timeout cut to
 ``hang_after`` seconds, the whole job to ``timeout``; nothing is left running. Afterwards your folders are as they
 were: files the script overwrote or deleted are restored, files it created are moved to the ``files`` folder of
-the doctor's folder for the script (``runs/doctor/<script>-<key>/files``, the key from the script's full path).
+the doctor's folder for the script (``runs/doctor/<script>-<key>/files`` in the folder the script runs in, the key
+from the script's full path; the report says where).
 Scripts as people write them run too (``running``): written for CUDA and NCCL (on a CPU machine, with a CPU
 stand-in), starting their own processes (``mp.spawn``: run once, as ``python script.py``), or taking
 ``--local_rank``.
@@ -28,10 +29,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course import RUNS
-from course.doctor import rules_data, rules_ddp, rules_sync
-from course.doctor.report import COST, Finding, Report, clip
-from course.doctor.running import Job, Run, run
+from ddp_doctor import rules_data, rules_ddp, rules_sync
+from ddp_doctor.report import COST, Finding, Report, clip, in_notebook
+from ddp_doctor.running import Job, Run, run
 
 __all__ = ["Finding", "Job", "Report", "check", "diagnose"]
 
@@ -64,8 +64,9 @@ SYMPTOMS = ("hang", "collective-mismatch")
 CAUSES = ("uneven-batches", "local-rank", "eval-one-shard", "eval-ddp-buffers")
 
 
-def diagnose(run: Run) -> Report:
-    """The report of one run: every rule applied to what the recorder saw."""
+def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
+    """The report of one run: every rule applied to what the recorder saw; ``moved_to``: where the files the
+    run created now are, as the report says it."""
     job, records = run.job, run.records
     shape = f"{job.nodes} nodes x {job.nproc // job.nodes}" if job.nodes > 1 else "1 node"
     cut = f"DataLoader passes cut to {job.steps} batches" if job.steps else "passes not cut"
@@ -112,7 +113,7 @@ def diagnose(run: Run) -> Report:
     report.hints = _hints(job.script, facts, records)
     if run.moved or run.restored:
         report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
-                        f"{len(run.moved)} new file(s) moved to the doctor's folder")
+                        f"{len(run.moved)} new file(s) moved to {moved_to}")
     return report
 
 
@@ -234,13 +235,13 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
           folder=None, show: bool = True, fixes: bool = True, on_line=None) -> Report:
     """Run the doctor on ``script`` (see the module's docstring); show and return the report.
     cwd: the script's working directory (default: this process's); folder: where the records, the report and
-    the files the run created go (default runs/doctor/<script name>-<key of its path>; claimed: one doctor run
-    at a time); fixes=False: the report shown hides each finding's fix (a diagnosis exercise; report.txt keeps
+    the files the run created go (default runs/doctor/<script name>-<key of its path> in ``cwd``; claimed: one
+    doctor run at a time); fixes=False: the report shown hides each finding's fix (a diagnosis exercise; report.txt keeps
     it). Raises ValueError (one line) for what cannot be checked at all: a missing script, a bad
     argument; RunDirBusy when another doctor is checking the same script."""
-    from course.doctor.running import style
-    from course.hardware import accelerator
-    from course.rundir import STAGING, claim_run_dir, publish
+    from ddp_doctor.hardware import accelerator
+    from ddp_doctor.rundir import STAGING, claim_run_dir, publish
+    from ddp_doctor.running import style
 
     path = Path(script).expanduser().resolve()
     if not path.is_file():
@@ -261,7 +262,7 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         if int(job.args[index]) % nproc:
             raise ValueError(f"{compare_batch_arg} {job.args[index]} does not split over {nproc} processes")
         job.args[index] = str(int(job.args[index]) // nproc)
-    folder = Path(folder) if folder else doctor_folder(path)
+    folder = Path(folder).resolve() if folder else doctor_folder(path, job.cwd)
     start = time.monotonic()
     with claim_run_dir(folder):
         work = folder / STAGING
@@ -274,7 +275,7 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         if spawned:  # a rank started processes of its own (code the doctor did not read): as its author runs it
             job.launch, job.nodes = "spawn", 1
             n_run = run(job, work / "job-spawn", on_line=on_line, files=work / "files")
-        report = diagnose(n_run)
+        report = diagnose(n_run, _shown(folder / "files", job.cwd))
         _how_it_ran(n_run, report)
         if spawned:
             report.command += f" (under torchrun its ranks started processes of their own at {spawned})"
@@ -289,13 +290,19 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
     return report
 
 
-def doctor_folder(script: Path) -> Path:
-    """The doctor's folder for a script: runs/doctor/<name>-<key of its full path> (two projects' train.py: two
-    folders)."""
+def doctor_folder(script: Path, base=None) -> Path:
+    """The doctor's folder for a script: runs/doctor/<name>-<key of its full path> in ``base`` (default: the
+    current working folder; two projects' train.py: two folders)."""
     import hashlib
 
     path = Path(script).expanduser().resolve()
-    return RUNS / "doctor" / f"{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    base = Path(base or Path.cwd()).resolve()
+    return base / "runs" / "doctor" / f"{path.stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+
+
+def _shown(path: Path, cwd: Path) -> str:
+    """A path as the report says it: relative to the script's working folder when inside it."""
+    return os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
 
 
 def _spawned(run: Run) -> str:
@@ -327,8 +334,6 @@ def _how_it_ran(run: Run, report: Report) -> None:
 
 
 def _show(report: Report, fixes: bool = True) -> None:
-    from course.notebook import in_notebook
-
     if in_notebook():
         from IPython.display import HTML, display
 

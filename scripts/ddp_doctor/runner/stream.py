@@ -13,7 +13,7 @@ Held back from the stream (kept in the output):
 
 import re
 
-from course.launcher.torchrun_output import ERRORISH, ROOT_CAUSE, split_tag
+from ddp_doctor.runner.torchrun_output import ERRORISH, ROOT_CAUSE, split_tag
 
 # torch 2.14 on Python 3.11+ logs the agent's signal as a number ("Received 15 death signal, shutting down
 # workers", elastic/agent/server/api.py); older Pythons printed "Signals.SIGTERM".

@@ -11,7 +11,7 @@ import re
 import tempfile
 from collections import Counter
 
-from course.doctor.report import COST, Finding
+from ddp_doctor.report import COST, Finding
 
 SHUFFLED = ("DistributedSampler", "RandomSampler")
 

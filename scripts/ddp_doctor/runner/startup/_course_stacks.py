@@ -1,5 +1,5 @@
-"""Each rank's Python stack on request, for the course launcher (imported by ``sitecustomize.py`` in every rank the
-launcher starts, and by ``course.launcher.stacks``; it imports nothing of the course's).
+"""Each rank's Python stack on request, for the runner (imported by ``sitecustomize.py`` in every rank the runner
+starts, and by ``ddp_doctor.runner.stacks``; it imports nothing but the standard library).
 
 A rank (a process with ``RANK`` set) registers ``faulthandler`` on ``SIGNAL`` with a file of its own in the job's
 folder (``COURSE_STACKS_DIR``), named ``rank<R>-<pid>-<start>.txt``; its first line names its main thread. Then:
