@@ -108,6 +108,8 @@ def diagnose(run: Run) -> Report:
     elif run.timed_out and not hung:
         report.error = f"the job was still running after {job.timeout:.0f} s and was stopped: {_still_running(run)}"
     facts.fold_symptoms()
+    if not report.error and not any(f.kind != COST for f in facts.findings):
+        report.error = _nothing_checked(run)  # never "no mistake found" about a run that checked nothing
     report.findings, report.checked, report.unchecked = facts.findings, facts.checked, facts.unchecked
     report.hints = _hints(job.script, facts, records)
     if run.moved or run.restored:
@@ -142,6 +144,37 @@ def _own_failure(run: Run) -> str:
     _, rank, error = min(errors, key=lambda item: item[0])
     where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
     return f"rank {rank}{where}: {clip(error['error'])}"
+
+
+def _nothing_checked(run: Run) -> str:
+    """Why a run that found no mistake checked too little to be called clean (issue 54), or "" when it was a
+    real data-parallel run: every rank recorded, in a process group of the job's size, with an optimizer step;
+    and no rank failed (a script that starts its own processes may exit 0 when they fail)."""
+    job, records = run.job, run.records
+    failed = sorted((r, e) for r, rec in records.items() for e in rec.get("errors", []) if e.get("in") == "script")
+    if failed:
+        r, e = failed[0]
+        where = f" at {e['where']} `{clip(e.get('code', ''), 80)}`" if e.get("where") else ""
+        return f"rank {r} failed{where}: {clip(e['error'], 200)} (the script's own exit status was {run.returncode})"
+    if len(records) < job.nproc:
+        return f"only {len(records)} of {job.nproc} ranks recorded anything" + _last_lines(run)
+    if not any(rec.get("pg") for rec in records.values()):
+        return "the script ended without making a process group: nothing distributed ran" + _last_lines(run)
+    sizes = sorted({(rec.get("pg") or {}).get("world_size") for rec in records.values()}, key=str)
+    if sizes != [job.nproc]:
+        return f"the ranks' process groups had sizes {sizes}, not the job's {job.nproc}" + _last_lines(run)
+    idle = [r for r, rec in sorted(records.items()) if not rec.get("steps")]
+    if idle:
+        return (f"rank {', '.join(map(str, idle))} made no optimizer step: no training was checked"
+                + _last_lines(run))
+    return ""
+
+
+def _last_lines(run: Run, count: int = 3) -> str:
+    """The script's own last output lines (the launcher's and torchrun's left out), quoted after a reason."""
+    lines = [m[1].strip() for m in re.finditer(r"^(?:\[node\d+\] )?\[rank\d+\]:(.*)$", run.output, re.MULTILINE)]
+    lines = list(dict.fromkeys(line for line in lines if line))[-count:]  # the ranks' own lines, each once
+    return ("; its last output: " + " | ".join(clip(line, 120) for line in lines)) if lines else ""
 
 
 def _still_running(run: Run) -> str:
