@@ -12,7 +12,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 export COURSE_QUICK := $(QUICK)
 
-.PHONY: setup data course test bench lab gpu-check clean doctor-wheel
+.PHONY: setup data course test bench soak lab gpu-check clean doctor-wheel
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,11 @@ bench: data
 	$(PY) -m course.bench_doctor
 	$(PY) -m course.bench_doctor_public
 	$(PY) -m course.bench_report
+
+# The quick course 3 times, each in a fresh clone of HEAD, the last beside a busy core (issue 51); about an hour
+# on 2 cores. Figures: runs/soak/metrics.json.
+soak: data
+	$(PY) -m course.soak
 
 # On a machine with CUDA GPUs: the GPU paths + every notebook (quick), report in runs/gpu_check/.
 gpu-check: data

@@ -62,7 +62,7 @@ def main():
         seen["after a no_grad forward through ddp"] = spread(bn, world_size)
         bn.running_mean += rank  # make the ranks differ again, by hand
         ddp(x)  # the forward before this one ran without gradients: nothing is sent
-        seen["after a second no_grad forward through ddp"] = spread(bn, world_size)
+        seen["made to differ (+rank), then no_grad ddp again"] = spread(bn, world_size)
     log.finish(spread=seen)
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()

@@ -5,6 +5,7 @@
 Each configuration WORKERS:THREADS (DataLoader worker processes and CPU compute threads, per rank)
 trains the flowers CNN for a few steps. All run in this one job, interleaved and repeated
 (course.measure.compare), after warm-up steps that are not timed; rank 0 prints samples/s of the job.
+A configuration's workers start once, from a fork server, and serve all its rounds (make_loader).
 """
 import argparse
 import os
@@ -24,23 +25,54 @@ from course.measure import StepTimer, compare
 from course.models import build_model
 from course.runlog import RunLog
 
+PREFETCH = 2  # batches each worker prepares ahead (DataLoader's default prefetch_factor)
+LOADER_TIMEOUT_S = 60  # a batch that takes longer is an error on this rank, not a hang of the job
 
-def samples_per_s(model, optimizer, sampler, train_set, device, workers, threads, args) -> float:
-    """Train args.steps timed steps (after args.warmup untimed ones); samples/s summed over the ranks."""
+
+def make_loader(dataset, sampler, workers: int, batch_size: int, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader whose worker processes start from a fork server, once (persistent_workers).
+
+    Linux's default, fork, copies this process with only the thread that forks. Gloo's and OpenMP's
+    threads are not copied, and a lock one of them held at that moment stays held in the worker: a
+    worker that waits for it never delivers, and its rank never reaches the next collective. The fork
+    server is a fresh process without those threads: workers forked from it start clean."""
+    if workers == 0:
+        return DataLoader(dataset, batch_size, sampler=sampler, pin_memory=pin_memory)
+    return DataLoader(dataset, batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      multiprocessing_context="forkserver", persistent_workers=True, prefetch_factor=PREFETCH,
+                      timeout=LOADER_TIMEOUT_S)
+
+
+class Batches:
+    """Batches from one loader without end: at the end of an epoch, set_epoch (pitfall 2) and go on."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader, self.epoch = loader, 0
+        self.batches = iter(loader)  # starts the loader's worker processes, if it has any
+
+    def __next__(self):
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.epoch += 1
+            self.loader.sampler.set_epoch(self.epoch)
+            self.batches = iter(self.loader)  # persistent workers: the same processes go on
+            return next(self.batches)
+
+
+def samples_per_s(model, optimizer, batches: Batches, device, threads: int, warmup: int, steps: int) -> float:
+    """Train ``steps`` timed steps after ``warmup`` untimed ones; samples/s summed over the ranks."""
     torch.set_num_threads(threads)  # what OMP_NUM_THREADS sets at start-up
-    loader = DataLoader(train_set, args.batch_size, sampler=sampler, num_workers=workers,
-                        pin_memory=device.type == "cuda")  # pinned memory only speeds up copies to a GPU
-    batches = iter(loader)  # starts this rank's worker processes
-    timer = StepTimer(warmup_steps=args.warmup)
+    sync = torch.accelerator.synchronize if device.type != "cpu" else None
+    timer = StepTimer(warmup_steps=warmup, sync=sync)
     timer.start()
-    for _ in range(args.warmup + args.steps):
+    for _ in range(warmup + steps):
         images, labels = next(batches)
         loss = nn.functional.cross_entropy(model(images.to(device)), labels.to(device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         timer.tick(len(labels))
-    del batches  # ends the worker processes
     rate = torch.tensor([timer.samples_per_s], device=device)
     dist.all_reduce(rate)  # the job's samples/s: the sum over ranks
     return rate.item()
@@ -52,7 +84,8 @@ def main():
     parser.add_argument("--configs", nargs="+", default=None, metavar="WORKERS:THREADS",
                         help="default: 0 and 2 workers at cores/ranks threads, then 0 workers at `cores` threads")
     parser.add_argument("--steps", type=positive_int, default=6, help="timed steps per measurement")
-    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps first")
+    parser.add_argument("--warmup", type=positive_int, default=2,
+                        help="untimed steps first (plus the batches a configuration's workers prepared ahead)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="each configuration this many times")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
     parser.add_argument("--run-dir", type=repo_path, default="runs/04_pitfalls/workers")
@@ -72,13 +105,16 @@ def main():
     torch.manual_seed(0)
     model = DDP(build_model("cnn", num_classes).to(device), device_ids=[device.index] if device.index is not None else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    sampler = DistributedSampler(train_set, seed=0)
-    runs, busy = {}, {}
+    runs, busy, feeds = {}, {}, []
     for config in configs:
         workers, threads = map(int, config.split(":"))
         name = f"{workers} worker{'s' * (workers != 1)}, {threads} thread{'s' * (threads != 1)} per rank"
-        runs[name] = (lambda w=workers, t=threads: samples_per_s(model, optimizer, sampler, train_set, device,
-                                                                  w, t, args))
+        loader = make_loader(train_set, DistributedSampler(train_set, seed=0), workers, args.batch_size,
+                             pin_memory=device.type == "cuda")  # pinned memory only speeds up copies to a GPU
+        feeds.append(Batches(loader))
+        warmup = args.warmup + workers * PREFETCH  # batches prepared while other configurations ran: untimed
+        runs[name] = (lambda b=feeds[-1], t=threads, w=warmup: samples_per_s(model, optimizer, b, device, t, w,
+                                                                             args.steps))
         busy[name] = world_size * (threads + workers)  # processes and threads that want a core at once
 
     def progress(round_index, name, value):
@@ -91,6 +127,8 @@ def main():
         for name, count in busy.items():
             print(f"{name}: {count} things to run at once on {cores} cores", flush=True)
     log.finish(comparison=result.to_dict(), busy=busy)
+    runs.clear()
+    feeds.clear()  # the last references to the iterators: their worker processes end here
     dist.barrier()  # every rank done before any leaves: gloo's exit race, notebook 03
     dist.destroy_process_group()
 

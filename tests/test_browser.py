@@ -209,7 +209,7 @@ def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this ord
     status = buttons.locator(".widget-html-content")
     bar = panel.locator(".widget-hprogress .progress-bar")
     preset = [field(label).input_value() for label in ("processes", "max steps", "extra args")]
-    assert preset == ["2", "200", "--dataset mnist"], f"the notebook's preset: {preset}"
+    assert preset == ["2", "200", "--model cnn"], f"the notebook's preset: {preset}"
 
     def width() -> float:  # the bar's drawn width, in percent
         return float(re.search(r"width:\s*([\d.]+)%", bar.get_attribute("style") or "width: 0%")[1])
@@ -233,7 +233,7 @@ def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this ord
 
     assert not ranks(), ranks()
 
-    # The preset as the notebook gives it: 2 ranks, 200 steps of MNIST; it runs to the end.
+    # The preset as the notebook gives it: 2 ranks, 200 steps of the small CNN; it runs to the end.
     set_field("processes", 2)
     launched = time.time()
     launch_button.click()

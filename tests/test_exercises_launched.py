@@ -94,12 +94,15 @@ def checked(request, tmp_path_factory):
 def test_mistake_gets_the_first_hint_for_it(case, checked):
     result = checked[case.id, ""]
     assert (result.status != "pass", result.diagnosis) == (True, case.expect), result.symptom
-    assert result.hint_level == 1 and result.hint == filled(EXERCISES[case.key].hints_for(case.expect)[0],
-                                                            result.facts.get("detail"))
+    rung = filled(EXERCISES[case.key].hints_for(case.expect)[0], result.facts.get("detail"))
+    assert result.hint_level == 1 and result.hint.endswith(rung)
+    if case.expect.startswith("crash") and result.facts.get("reading"):  # issue 55: the failing line read first
+        assert result.hint == f"{result.facts['reading']} {rung}" and result.hint.startswith("Line "), result.hint
     assert case.expect in EXERCISES[case.key].hints or case.expect in ("hang", "crash", "factor", *CRASH_HINTS), \
         "a hint of its own"
     if case.cls == "crash":  # the rank's own error and line, not its partner's closed connection
         assert "crashed at" in result.symptom and "Connection closed" not in result.symptom, result.symptom
+        assert result.hint.startswith("Line "), result.hint  # issue 55: the failing line and what its names held
     if case.expect in ("summed", "loss-summed"):
         assert "2.00×" in result.symptom or "exactly 2×" in result.symptom
 

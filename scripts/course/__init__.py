@@ -52,6 +52,7 @@ Used by notebooks and tests:
   ``course.doctor_wheel``  ``make doctor-wheel``; ``python -m course.doctor`` is ``ddp-doctor`` by its old name
 - ``course.run_notebooks`` / ``course.lab`` / ``course.gpu_check``  ``make course`` / ``make lab`` / ``make gpu-check``
 - ``course.times``       the course's times, one source (``notebooks/times.json``) for the README and every header
+- ``course.soak``        ``make soak``: the quick course several times, in fresh clones, the last beside a busy core
 - ``course.record_reference``  record the capstone's GPU runs under runs/reference (GPU machines only)
 - ``course.bench_launcher`` / ``course.bench_noise`` / ``course.bench_checker`` / ``course.bench_doctor``
   benchmarks (``make bench``): the launcher's overhead; no faster/slower verdict for equal work and always one for

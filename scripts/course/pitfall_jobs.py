@@ -7,10 +7,11 @@ readers of the lines the pitfall scripts print (so that the notebooks' cells car
 """
 
 import re
+import statistics
 
 from course.hardware import accelerator_count
 from course.launcher import launch, plan, show_report
-from course.measure import Comparison, Measurement
+from course.measure import MIN_ROUNDS, SAME_BAND, Comparison, Measurement
 
 RUNS = "runs/04_pitfalls"  # every run of notebooks 04 and 04b goes under here
 HANG_S = 10  # process-group timeout of the runs that hang: they end in seconds (the defaults: pitfall 7)
@@ -59,6 +60,26 @@ def comparison_from(saved: dict) -> Comparison:
     """The course.measure.Comparison that a job saved (Comparison.to_dict()) in its metrics.json."""
     return Comparison({name: Measurement(name, values) for name, values in saved["values"].items()},
                       saved["unit"], saved["higher_is_better"], cpu_only=plan(2).device == "cpu")
+
+
+def reading(result: Comparison, name: str, baseline: str) -> str:
+    """What a comparison showed, in one sentence computed from its numbers: the verdict of course.measure's rule
+    when it decides ("Shown here: ..."), else what the median of the rounds suggests and why the rounds do not decide."""
+    judged = result.judge(name, baseline)
+    key, ratio = judged["key"], statistics.median(judged["ratios"]) if judged["ratios"] else float("nan")
+    timing = result.unit.endswith("/s") or result.unit in ("s", "ms", "s/step")
+    up, down = ("faster", "slower") if timing else ("higher", "lower")
+    if not result.higher_is_better:
+        up, down = down, up
+    rounds = len(judged["ratios"])
+    head = f"'{name}' at {ratio:.2f}x the {result.unit or 'value'} of '{baseline}' (median of the rounds)"
+    if key in ("above", "below", "same"):
+        word = {"above": up, "below": down, "same": "about the same"}[key]
+        return f"Shown here: {head}: {word} in every one of {rounds} rounds."
+    lean = up if ratio > 1 + SAME_BAND else down if ratio < 1 / (1 + SAME_BAND) else "about the same"
+    why = (f"{rounds} round{'s' * (rounds != 1)} cannot decide (a verdict needs {MIN_ROUNDS} that agree)"
+           if key in ("few", "none") else "its rounds do not agree beyond the noise (its verdict above says how)")
+    return f"Not decided here: {head} suggests {lean}, but {why}."
 
 
 def node_env(node: int) -> dict:

@@ -88,8 +88,10 @@ def core_sentence(times: dict, core: list[str]) -> str:
     """The README's sentence under the table: the learner minutes of the core rows (path cell "core..."), 09
     counted for its core part only, as its learner time is (times.json's note on it)."""
     total = sum(times["notebooks"][stem]["learner_min"] for stem in core)
-    return (f"The core path adds up to about {total // 60} h {total % 60} min for a learner (estimate), "
-            "with only exercise 1 of 09 included.")
+    hours = f"{total // 60} h" + (f" {total % 60} min" if total % 60 else "")
+    optional = [stem[:2] for stem in core if "optional" in times["notebooks"][stem].get("learner_note", "")]
+    without = f" and without the optional parts of {' and '.join(optional)}" if optional else ""
+    return f"The core path adds up to about {hours} for a learner (estimate), with exercise 1 of 09 only{without}."
 
 
 def readme_rows(text: str) -> dict[str, list[str]]:
@@ -118,7 +120,7 @@ def apply() -> list[str]:
         new = "| " + " | ".join(cells[:-3] + readme_cells(entry)) + " |"
         text = text.replace("| " + " | ".join(cells) + " |", new)
     core = [stem for stem, cells in rows.items() if cells[2].startswith("core")]
-    text = re.sub(r"The core path adds up to about .*?included\.", core_sentence(times, core), text)
+    text = re.sub(r"The core path adds up to about .*?\(estimate\)[^\n]*?\.(?=\s)", core_sentence(times, core), text)
     if text != README.read_text():
         README.write_text(text)
         changed.append("README.md")

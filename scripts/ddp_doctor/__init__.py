@@ -9,6 +9,7 @@ A package of its own, installed alone (``make doctor-wheel``: torch its only req
 the course that teaches it, and its folders are relative to where it runs (``runs/doctor/...``). The course's
 helpers (``course``) build on it, never the reverse. One module per concern:
 - ``doctor``      ``check`` and ``diagnose``: a run, the rules, the report; ``__main__`` the command
+- ``unchecked``   why a check is not complete: a rank's own failure, a job still running, nothing checked
 - ``running``     a learner's script as a job: its launch style read from the code, bounded, files put back
 - ``rules_data`` / ``rules_sync`` / ``rules_ddp``  what the run did, turned into findings; ``report`` formats them
 - ``recorder``    a package: what runs inside the ranks (the recorder, its CPU stand-in for CUDA and NCCL, the

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddp_doctor import rules_data, rules_ddp, rules_sync
-from ddp_doctor.report import COST, Finding, Report, clip, in_notebook
+from ddp_doctor.report import COST, Finding, Report, in_notebook
 from ddp_doctor.running import Job, Run, run
+from ddp_doctor.unchecked import nothing_checked, own_failure, still_running
 
 __all__ = ["Finding", "Job", "Report", "check", "diagnose"]
 
@@ -105,63 +106,18 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
     rules_sync.own_error(run, facts)
     if run.returncode not in (0, None) and not hung and not report.error:
         how = "failed" if any(f.kind != COST for f in facts.findings) else "failed on its own"
-        report.error = f"the script {how} (exit code {run.returncode}): {_own_failure(run)}"
+        report.error = f"the script {how} (exit code {run.returncode}): {own_failure(run)}"
     elif run.timed_out and not hung:
-        report.error = f"the job was still running after {job.timeout:.0f} s and was stopped: {_still_running(run)}"
+        report.error = f"the job was still running after {job.timeout:.0f} s and was stopped: {still_running(run)}"
     facts.fold_symptoms()
+    if not report.error and not any(f.kind != COST for f in facts.findings):
+        report.error = nothing_checked(run)  # never "no mistake found" about a run that checked nothing
     report.findings, report.checked, report.unchecked = facts.findings, facts.checked, facts.unchecked
     report.hints = _hints(job.script, facts, records)
     if run.moved or run.restored:
         report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
                         f"{len(run.moved)} new file(s) moved to {moved_to}")
     return report
-
-
-VICTIM = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
-
-
-def _own_failure(run: Run) -> str:
-    """The first rank that failed by an error of its own (not one that only saw another die): from the records,
-    else a rank that aborted in the communication library (it left no record), else the launcher's account."""
-    errors = [(rec.get("t0_ns", 0) / 1e9 + e.get("t", 0), r, e) for r, rec in run.records.items()
-              for e in rec.get("errors", []) if e["in"] == "script" and not any(v in e["error"] for v in VICTIM)]
-    if not errors:
-        aborted = rules_sync.aborted(run)
-        victims = [(r, e) for r, rec in sorted(run.records.items()) for e in rec.get("errors", [])[-1:]
-                   if any(v in e["error"] for v in VICTIM)]
-        ended = [r for r, rec in sorted(run.records.items()) if not rec.get("errors")]
-        if not aborted and victims and ended:  # a rank went on to a collective after its peer had ended
-            r, e = victims[0]
-            where = f" at {e['where']}" if e.get("where") else ""
-            return (f"rank {r} lost its peer{where}: {clip(e['error'], 160)} (rank "
-                    f"{', '.join(map(str, ended))} had already ended without an error)")
-        if not aborted:
-            return "\n" + run.failure
-        rank, text = aborted[0]
-        return (f"{f'rank {rank}' if rank is not None else 'a rank'} aborted: {text}"
-                + "".join(f"; then rank {r}, having only seen it die: {clip(e['error'], 160)}" for r, e in victims))
-    _, rank, error = min(errors, key=lambda item: item[0])
-    where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
-    return f"rank {rank}{where}: {clip(error['error'])}"
-
-
-def _still_running(run: Run) -> str:
-    """What the records show of a job stopped at the timeout that no rule called a hang."""
-    stuck = run.stuck
-    last = {(s.get("fr") or [{}])[-1].get("collective_seq_id") for s in stuck.values()}
-    said = []
-    for r in range(run.job.nproc):
-        rec = run.records.get(r)
-        errors = rec.get("errors", []) if rec else []
-        if r in stuck:  # where it was: the same words as a hang's (rules_sync)
-            said.append(rules_sync.stuck_line(r, rec or {"script": ""}, stuck[r]))
-            continue
-        said.append(f"rank {r} " + (f"had failed: {clip(errors[-1]['error'], 160)}" if errors else "had ended" if rec
-                                    else "left no record"))
-    if len(stuck) == run.job.nproc and len(last) == 1:
-        return (f"every rank at the same collective ({'; '.join(said)}): give it a larger --timeout or fewer --steps "
-                "per pass")
-    return "; ".join(said)
 
 
 def _source(script: Path) -> str:

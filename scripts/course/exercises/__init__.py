@@ -118,8 +118,11 @@ def check(exercise: str | int, script: str | os.PathLike | None = None, *, work_
             seen = entry["seen"][verdict.diagnosis] = entry["seen"].get(verdict.diagnosis, 0) + 1
             rung = level(seen, entry["extra_hints"].get(verdict.diagnosis, 0), len(hints))
         hint_text = filled(hints[rung - 1], verdict.facts.get("detail"))
+        if rung == 1:
+            hint_text = crashes.first_hint(verdict, hint_text)  # a crash: its failing line and what its names held
     entry.update(status=verdict.status, diagnosis=verdict.diagnosis, symptom=verdict.symptom,
                  detail=verdict.facts.get("detail") or "",
+                 reading=(verdict.facts.get("reading") or "") if verdict.diagnosis.startswith("crash") else "",
                  seconds=round(seconds, 1), when=datetime.now().isoformat(timespec="seconds"),
                  script=rel(path), hint_level=rung, solutions=bool(note))
     if verdict.status == "pass":
@@ -155,7 +158,8 @@ def hint(exercise: str | int, results_file=None) -> str:
         entry["hint_level"] = shown
         results.save()
     lines = [f"Exercise {key} · {ex.title}: {entry.get('symptom', '')}"]
-    lines += [f"Hint {i + 1}/{len(hints)}: {filled(h, entry.get('detail'))}" for i, h in enumerate(hints[:shown])]
+    lines += [f"Hint {i + 1}/{len(hints)}: " + (entry.get("reading", "") + " ") * (i == 0 and bool(entry.get("reading")))
+              + filled(h, entry.get("detail")) for i, h in enumerate(hints[:shown])]
     if shown >= len(hints) and entry.get("status") != "not solved":
         lines.append(f"That was the last hint: solution('{key}') shows the reference solution.")
     text = "\n".join(lines)

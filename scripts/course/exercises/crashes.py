@@ -110,3 +110,26 @@ CRASH_HINTS = {
         ("Make the shapes agree: add the missing axis (gate[:, None]), split along the right dimension, or receive "
          "into a buffer of the sent tensor's shape.")],
 }
+
+
+def reading(record: dict | None, frame: tuple | None) -> str:
+    """The failing line of the learner's script and what its names held when the rank died, from the rank's
+    record (the recorder keeps them: ``names`` and ``misfit`` of its error), in a sentence or two; "" if the
+    record has no such error (a crash outside the learner's script, or no record)."""
+    if not record or not frame:
+        return ""
+    line, _, code = frame
+    error = next((e for e in reversed(record.get("errors", [])) if e.get("in") == "script"
+                  and e.get("where", "").endswith(f":{line}")), None)
+    if not error or not error.get("names"):
+        return ""
+    held = "; ".join(f"`{name}` {phrase}" for name, phrase in error["names"].items())
+    code = code.split("  #")[0].rstrip()
+    return f"Line {line} of your script, `{code}`, failed. Its names held: {held}." + (
+        f" {error['misfit']}" if error.get("misfit") else "")
+
+
+def first_hint(verdict, hint: str) -> str:
+    """The first rung of a crash's ladder, led by the reading of the failing line where there is one."""
+    text = verdict.facts.get("reading") or ""
+    return f"{text} {hint}" if text and verdict.diagnosis.startswith("crash") else hint

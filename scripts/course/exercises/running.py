@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from course.exercises.crashes import reading as crash_reading
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
 from ddp_doctor.recorder import ENTRY as RECORDER
@@ -202,7 +203,8 @@ def failure(run: Run, path: Path, timeout: float) -> None:
         where = _where(first, path)
         at_exit = " " + EXIT_RACE_NOTE if aborted_at_exit(rank_lines(run.output).get(first.rank, [])) else ""
         fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}{at_exit}",
-             status="error", launched=True, detail=where, errors=errors, rank=first.rank)
+             status="error", launched=True, detail=where, errors=errors, rank=first.rank,
+             reading=crash_reading(run.records.get(first.rank), first.frames[-1] if first.frames else None))
     tail = " | ".join(run.output.strip().splitlines()[-3:])
     fail("crash", f"the job failed with exit code {run.returncode}: {_short(tail)}", status="error", launched=True,
          detail="", errors=errors)
