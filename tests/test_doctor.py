@@ -350,3 +350,22 @@ def test_the_cost_benchmark_times_the_doctor_three_ways():
     assert set(cost["median"]) == {"plain", "plain 2 nodes", "doctor"} and cost["plain_s"] > 0, cost
     assert cost["added_s"] == round(cost["median"]["doctor"] - cost["median"]["plain"], 2)
     assert "too few to decide" in cost["verdict"] and "too few to decide" in cost["verdict_whole"], cost
+
+
+def test_published_shapes_that_stop_on_a_cpu_are_run_again_as_on_gpus(outcomes):
+    """Issue 54: pytorch/examples' device count (torch.accelerator) and the article's is_available() guard stopped
+    on the CPU before any process group; the doctor runs them again with the stand-in answering as a machine with a
+    GPU per process, and SyncBatchNorm all-reduces its statistics on the CPU, so replicas and gradients are checked.
+    A script that exits before any process group, or whose ranks all fail while it exits 0, is never clean."""
+    for name in ("published-accelerator-count", "published-guard-syncbn"):
+        report = outcomes[name].report
+        assert report.status == 0 and "telling the script it has" in report.command, report.text()
+    checked = " ".join(outcomes["published-guard-syncbn"].report.checked)
+    assert "gradients before" in checked and "replicas" in checked, checked
+    early = outcomes["exits-before-process-group"].report
+    assert early.status == 2 and early.error.startswith("the script ended without making a process group"), early.text()
+    assert "Unable to locate sufficient 4096 devices" in early.error, early.text()
+    children = outcomes["children-raise"].report
+    assert children.status == 2 and "ValueError: rank" in children.error and "exit status was 0" in children.error, \
+        children.text()
+

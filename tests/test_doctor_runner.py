@@ -51,6 +51,8 @@ with warnings.catch_warnings(record=True) as caught:
     seen["module_cuda"] = next(torch.nn.Linear(2, 2).cuda().parameters()).device.type
     seen["available"] = torch.cuda.is_available()
     seen["count"] = torch.cuda.device_count()
+    seen["accelerator"] = [torch.accelerator.is_available(), torch.accelerator.device_count(),
+                           str(torch.accelerator.current_accelerator()), torch.backends.cudnn.is_available()]
     seen["torch_sees"] = not torch.cuda.amp.common.amp_definitely_not_available()
     torch.cuda.set_device(1)
     torch.cuda.synchronize()
@@ -81,6 +83,7 @@ def test_the_cpu_standin_turns_every_cuda_call_into_the_cpu(tmp_path):
                 "load"):
         assert seen[key] == "cpu", (key, seen)
     assert seen["available"] is True and seen["count"] == 2, seen  # the script's own questions: a GPU machine
+    assert seen["accelerator"] == [True, 2, "cuda", True], seen  # torch.accelerator answers the same (issue 54)
     assert seen["torch_sees"] is False, seen  # torch's internals still see the CPU
     assert seen["memory"] == 0 and seen["autocast"] is False and seen["scaler"] is False, seen
     assert seen["warnings"] == [], seen  # disabled as on a CPU, without a warning per call
@@ -91,6 +94,7 @@ def test_the_cpu_standin_turns_every_cuda_call_into_the_cpu(tmp_path):
 def test_without_pretending_the_script_is_told_the_truth(tmp_path):
     seen = _probe(tmp_path, pretend=False)
     assert seen["available"] is False and seen["count"] == 0, seen
+    assert seen["accelerator"][:2] == [False, 0], seen
     assert seen["to_int"] == "cpu", seen
 
 

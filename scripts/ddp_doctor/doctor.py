@@ -227,6 +227,11 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
             job.steps = 0
             n_run = run(job, work / "job-uncut", on_line=on_line, files=work / "files")
+        if job.standin and not job.pretend and not any(rec.get("pg") for rec in n_run.records.values()):
+            # the script's own CPU path stopped before any process group (a device count, an is_available() guard):
+            # run it again with the stand-in answering as a GPU machine would
+            job.pretend = True
+            n_run = run(job, work / "job-pretend", on_line=on_line, files=work / "files")
         spawned = _spawned(n_run)
         if spawned:  # a rank started processes of its own (code the doctor did not read): as its author runs it
             job.launch, job.nodes = "spawn", 1
@@ -278,6 +283,9 @@ def _how_it_ran(run: Run, report: Report) -> None:
     sites = run.standin_sites
     if sites:
         report.command += f"; CUDA/NCCL on a CPU stand-in at {len(sites)} call site{'s' if len(sites) > 1 else ''}"
+        if run.job.pretend:
+            report.command += (f", telling the script it has {run.job.nproc // run.job.nodes} GPUs per node (torch.cuda"
+                               " and torch.accelerator)")
         report.unchecked.append(
             f"what needs a GPU: the script ran on the CPU with gloo for nccl ({', '.join(sites[:6])}"
             f"{' ...' if len(sites) > 6 else ''}), so GPU-only code paths, NCCL-only behaviour (its own timeouts, "

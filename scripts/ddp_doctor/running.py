@@ -86,7 +86,7 @@ def _port() -> int:
 
 SPAWNS = re.compile(r"\b(mp|multiprocessing|torch\.multiprocessing)\.(spawn|start_processes|Process)\s*\(|"
                     r"\bstart_processes\s*\(|(?<![\w.])spawn\s*\(\s*\w+\s*,\s*(args|nprocs)\s*=|\bProcess\s*\(\s*target\s*=")
-CUDA = re.compile(r"cuda|nccl", re.IGNORECASE)
+CUDA = re.compile(r"cuda|nccl|\baccelerator\b", re.IGNORECASE)
 
 
 def _code(source: str) -> str:

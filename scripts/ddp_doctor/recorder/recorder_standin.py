@@ -9,9 +9,11 @@ Built on PyTorch's own interposition points, installed in each process before th
   ``device_ids``/``output_device``, ``barrier`` drops ``device_ids``, ``torch.load`` maps CUDA storage to the
   CPU; ``torch.cuda.set_device``, ``synchronize``, ``empty_cache`` do nothing and the memory statistics are 0;
   ``torch.autocast("cuda")`` and ``GradScaler("cuda")`` are disabled, as they are on a CPU (without the warning).
-- With ``pretend`` (the script never asks ``torch.cuda.is_available()`` itself: it has no CPU path),
-  ``is_available()`` is True and ``device_count()`` the GPUs a node would have, for the script's own calls only
-  (torch's internals still see the CPU).
+- With ``pretend`` (the script has no CPU path, or its CPU path stopped before a process group),
+  ``torch.cuda.is_available()``, ``torch.accelerator.is_available()`` are True, ``device_count()`` the GPUs a
+  node would have and ``current_accelerator()`` CUDA, for the script's own calls only (torch's internals still see
+  the CPU);
+- ``SyncBatchNorm`` on the CPU all-reduces its batch statistics over the group as it does on GPUs.
 Each redirected call's place in the script (``file:line``) is added to ``record["standin"]``.
 """
 
@@ -102,6 +104,17 @@ def install(record: dict, where, pretend: bool, gpus: int) -> None:
         replace(torch.cuda, name, nothing())
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         replace(torch.cuda, name, nothing(0))
+    # torch.accelerator, the device-neutral API (pytorch/examples counts its devices with it): the same answers
+    accel = torch.accelerator
+    replace(accel, "is_available", lambda real: answer(True, real))
+    replace(accel, "device_count", lambda real: answer(gpus, real))
+    replace(accel, "current_accelerator", lambda real: answer(lambda: torch.device("cuda"), real))
+    replace(accel, "current_device_index", lambda real: answer(lambda: local, real))
+    for name in ("set_device_index", "synchronize"):
+        if hasattr(accel, name):
+            replace(accel, name, lambda real: (lambda *a, **k: None if pretend and note() is None else real(*a, **k)))
+    replace(torch.backends.cudnn, "is_available", lambda real: answer(True, real))
+    _cpu_sync_batch_norm(torch, note)
 
     def backend(value):
         if value is not None and "nccl" in str(value).lower():
@@ -186,3 +199,69 @@ def _quietly(note, real, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return real(*args, **kwargs)
+
+
+def _cpu_sync_batch_norm(torch, note) -> None:
+    """SyncBatchNorm on CPU tensors, as on GPUs: the batch statistics all-reduced over the group (autograd through
+    the all-reduce), so that every rank normalises over the samples of all ranks. torch 2.14's SyncBatchNorm
+    refuses CPU input in training ("expected input tensor to be on GPU")."""
+    import torch.distributed as dist
+
+    def all_reduce(tensor, group):  # unrecorded: torch's own work on GPUs (NCCL inside the layer), not the script's
+        reduce = dist.all_reduce
+        while hasattr(reduce, "__wrapped__"):
+            reduce = reduce.__wrapped__
+        reduce(tensor, group=group)
+
+    class SumOverRanks(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor, group):
+            ctx.group = group
+            tensor = tensor.clone()
+            all_reduce(tensor, group)
+            return tensor
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            all_reduce(grad, ctx.group)
+            return grad, None
+
+    cls = torch.nn.SyncBatchNorm
+    original = cls.forward
+
+    def forward(self, input):
+        if input.device.type != "cpu" or not (self.training and dist.is_available() and dist.is_initialized()):
+            return original(self, input)
+        group = self.process_group or dist.group.WORLD
+        if dist.get_world_size(group) == 1:
+            return original(self, input)
+        note()
+        c, dims = input.size(1), [0, *range(2, input.dim())]
+        count = torch.tensor([input.numel() // c], dtype=input.dtype)
+        total_stats = SumOverRanks.apply(torch.cat([input.sum(dims), (input * input).sum(dims), count]), group)
+        total = total_stats[-1]
+        mean, var = total_stats[:c] / total, total_stats[c:2 * c] / total - (total_stats[:c] / total) ** 2
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
+                self.running_var.mul_(1 - momentum).add_(var.detach() * (total / (total - 1)) * momentum)
+        shape = [1, c] + [1] * (input.dim() - 2)
+        out = (input - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + self.eps)
+        return out * self.weight.reshape(shape) + self.bias.reshape(shape) if self.affine else out
+
+    forward.__wrapped__ = original
+    cls.forward = forward
+    ddp = torch.nn.parallel.DistributedDataParallel
+    refuse = ddp._passing_sync_batchnorm_handle  # DDP refuses SyncBatchNorm in a CPU module: allowed, as above
+
+    def allow(self, module):
+        if self.device_type == "cpu" and any(isinstance(m, cls) for m in module.modules()):
+            note()
+            return None
+        return refuse(self, module)
+
+    allow.__wrapped__ = refuse
+    ddp._passing_sync_batchnorm_handle = allow
