@@ -35,7 +35,9 @@ class Plan:
     def line(self, threads: str | None = None) -> str:
         """The plan in one line; ``threads``: the OMP_NUM_THREADS the caller set instead of the plan's."""
         given = f"{threads} CPU thread(s) per rank (OMP_NUM_THREADS given)"
-        return (f"{self.nproc} process(es), {self.backend} on {self.device} ({self.reason}); "
+        group = (f"{self.nproc} process(es), {self.backend} on {self.device} ({self.reason}); " if self.nproc > 1 else
+                 f"1 process on {self.device}; ")  # one process: a backend only if the script makes a group
+        return (group
                 + (given if threads and threads != str(self.threads_per_rank)
                    else f"{self.threads_per_rank} CPU thread(s) per rank"))
 
