@@ -227,10 +227,11 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
             job.steps = 0
             n_run = run(job, work / "job-uncut", on_line=on_line, files=work / "files")
-        if job.standin and not job.pretend and not any(rec.get("pg") for rec in n_run.records.values()):
+        gpu_minded = job.standin or (gpus < nproc and "accelerator" in path.read_text(errors="replace"))
+        if gpu_minded and not job.pretend and not any(rec.get("pg") for rec in n_run.records.values()):
             # the script's own CPU path stopped before any process group (a device count, an is_available() guard):
             # run it again with the stand-in answering as a GPU machine would
-            job.pretend = True
+            job.standin = job.pretend = True
             n_run = run(job, work / "job-pretend", on_line=on_line, files=work / "files")
         spawned = _spawned(n_run)
         if spawned:  # a rank started processes of its own (code the doctor did not read): as its author runs it

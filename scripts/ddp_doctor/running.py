@@ -86,7 +86,7 @@ def _port() -> int:
 
 SPAWNS = re.compile(r"\b(mp|multiprocessing|torch\.multiprocessing)\.(spawn|start_processes|Process)\s*\(|"
                     r"\bstart_processes\s*\(|(?<![\w.])spawn\s*\(\s*\w+\s*,\s*(args|nprocs)\s*=|\bProcess\s*\(\s*target\s*=")
-CUDA = re.compile(r"cuda|nccl|\baccelerator\b", re.IGNORECASE)
+CUDA = re.compile(r"cuda|nccl", re.IGNORECASE)
 
 
 def _code(source: str) -> str:
@@ -111,7 +111,7 @@ def style(script: Path, gpus: int, nproc: int) -> dict:
     flag = next((f for f in ("--local-rank", "--local_rank") if f"'{f}'" in code or f'"{f}"' in code), "")
     standin = gpus < nproc and bool(CUDA.search(code))
     return {"launch": "spawn" if SPAWNS.search(code) else "torchrun", "standin": standin,
-            "pretend": standin and "is_available" not in code, "local_rank_arg": flag}
+            "pretend": standin and not re.search(r"is_available|\baccelerator\b", code), "local_rank_arg": flag}
 
 
 def _commands(job: Job, log_dir: str, plain: bool = False) -> list:
