@@ -155,7 +155,9 @@ def test_a_bench_run_goes_into_the_json_and_the_pages_from_its_numbers(tmp_path,
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(SYNTHETIC[name]()))
     assert bench_report.collect() == ["checker", "doctor", "doctor_public"]
-    assert sorted(bench_report.apply()) == ["README.md", "docs/checker.md", "docs/doctor.md"]
+    changed = set(bench_report.apply())  # benchmarks.md too when the committed figures had launcher/noise runs
+    assert {"README.md", "docs/checker.md", "docs/doctor.md"} <= changed <= {"README.md", "docs/benchmarks.md",
+                                                                            "docs/checker.md", "docs/doctor.md"}
     assert bench_report.apply() == []
     figures = bench_report.load()
     assert figures["launcher"] is None and figures["doctor"]["found"] == 30 and figures["doctor"]["codes"] > 20

@@ -302,19 +302,9 @@ def _script_error(error: BaseException) -> None:
         entry = {"in": "script", "t": now(), "error": f"{type(error).__name__}: {error}"[:300],
                  "where": f"{os.path.basename(SCRIPT)}:{frames[-1].lineno}" if frames else "",
                  "code": frames[-1].line if frames else ""}
-        live = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)
-                if frame.f_code.co_filename == SCRIPT]
-        if live:  # what the names on the failing line held: the checker's first hint reads them
-            try:
-                import recorder_failing_line as failing
+        import recorder_failing_line  # what the names on the failing line held: the checker's first hint reads them
 
-                with open(SCRIPT, encoding="utf-8") as file:
-                    source = file.read()
-                entry["names"] = failing.held(live[-1][0], entry["code"])
-                entry["misfit"] = (failing.did_you_mean(entry["error"], live[-1][0])
-                                   or failing.misfit(entry["error"], entry["names"], source, live[-1][1]))
-            except Exception as reading_failed:  # noqa: BLE001 - never let the reading hide the script's own error
-                entry["names_error"] = repr(reading_failed)[:200]
+        recorder_failing_line.add_reading(entry, error, SCRIPT)
         record["errors"].append(entry)
 
 

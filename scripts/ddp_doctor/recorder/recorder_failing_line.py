@@ -241,3 +241,22 @@ def misfit(error: str, shown: dict, source: str = "", lineno: int = 0) -> str:
     if numbers and "Tensor" in error:
         return f"`{numbers[0]}` is a Python {shown[numbers[0]].split()[0]}, not a tensor."
     return ""
+
+
+def add_reading(entry: dict, error: BaseException, script: str) -> None:
+    """Add ``names`` and ``misfit`` to a script error's record entry, from the deepest frame of ``script`` in the
+    error's traceback; never lets the reading hide the script's own error (a failure is noted as ``names_error``)."""
+    import traceback
+
+    live = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__) if frame.f_code.co_filename == script]
+    if not live:
+        return
+    try:
+        with open(script, encoding="utf-8") as file:
+            source = file.read()
+        entry["names"] = held(live[-1][0], entry["code"])
+        entry["misfit"] = did_you_mean(entry["error"], live[-1][0]) or misfit(entry["error"], entry["names"], source,
+                                                                               live[-1][1])
+    except Exception as reading_failed:  # noqa: BLE001 - the learner's error comes first
+        entry["names_error"] = repr(reading_failed)[:200]
+
