@@ -241,7 +241,7 @@ def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this ord
     preset_s = time.time() - launched
     text = log.text_content()
     assert both_ranks(text) and "done:" in text, text[-2000:]
-    assert width() > 30 and "progress-bar-success" in bar.get_attribute("class")  # 199/469 of epoch 0
+    assert width() > 30 and "progress-bar-success" in bar.get_attribute("class")  # "step 200" of 200 asked for
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 200 and metrics["world_size"] == 2
     assert (run_dir / "metrics.json").stat().st_mtime >= launched, "metrics.json is not from this run"
@@ -259,10 +259,10 @@ def test_launcher_widget_in_notebook_03(widget_run_dir, page, lab):  # (this ord
     board.locator("scalar-card").first.scroll_into_view_if_needed()
     page.screenshot(path=ARTIFACTS / "widget_tensorboard.png")
 
-    # A longer run, stopped mid-run: one epoch in batches of 4 (7500 steps, about 40 s here), so that
-    # tqdm's progress line (redrawn every 3 s) shows the bar between 0 and 100 %.
-    set_field("max steps", 0)
-    set_field("extra args", "--dataset mnist --batch-size 4")
+    # A longer run, stopped mid-run: 7500 steps in batches of 4 (about 40 s here), its "step N" lines (every 10
+    # steps) moving the bar between 0 and 100 %.
+    set_field("max steps", 7500)
+    set_field("extra args", "--batch-size 4")
     launch_button.click()
     wait_until(lambda: "done:" not in (log.text_content() or ""), 10, "the last run's output to clear")
     wait_until(lambda: both_ranks(log.text_content() or ""), 60, "output from ranks 0 and 1")

@@ -29,6 +29,7 @@ from course.launcher import LaunchError, launch, plan, resolve_script
 from ddp_doctor.runner.torchrun_output import split_chunk
 
 # tqdm's default format: "epoch 1:  40%|████      | 20/50 [00:03<00:05, 6.1it/s]"
+STEP = re.compile(r"^\s*step (?P<n>\d+)\b")  # train_ddp.py's log line, "step 200: train loss 0.31"
 PROGRESS = re.compile(r"^\s*(?:(?P<desc>[^|]*?):\s*)?(?:\d+%\|[^|]*\|\s*)?(?P<n>\d+)/(?P<total>\d+)\s*\[")
 MAX_LINES = 400  # the log keeps the newest lines; the full output is in the run's result
 REFRESH_S = 0.25  # repaint at most 4x a second: every repaint sends the log to the browser
@@ -259,6 +260,9 @@ class LauncherPanel(widgets.VBox):
                         self._bar_rows[key] = len(self._lines) - 1
                 if match and tag == "rank0":
                     self._progress = (match["desc"] or "progress", int(match["n"]), int(match["total"]))
+                steps = STEP.search(text) if not match and tag == "rank0" and self.max_steps.value > 0 else None
+                if steps:  # a plain script's "step N: ..." line, against the steps asked for
+                    self._progress = ("steps", int(steps["n"]), self.max_steps.value)
             if len(self._lines) > MAX_LINES:
                 drop = len(self._lines) - MAX_LINES
                 del self._lines[:drop]
