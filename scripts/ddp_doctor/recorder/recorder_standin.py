@@ -110,9 +110,8 @@ def install(record: dict, where, pretend: bool, gpus: int) -> None:
     replace(accel, "device_count", lambda real: answer(gpus, real))
     replace(accel, "current_accelerator", lambda real: answer(lambda: torch.device("cuda"), real))
     replace(accel, "current_device_index", lambda real: answer(lambda: local, real))
-    for name in ("set_device_index", "synchronize"):
-        if hasattr(accel, name):
-            replace(accel, name, lambda real: (lambda *a, **k: None if pretend and note() is None else real(*a, **k)))
+    for name in ("set_device_index", "synchronize"):  # nothing to do on the pretended GPUs
+        replace(accel, name, lambda real: answer(None, real))
     replace(torch.backends.cudnn, "is_available", lambda real: answer(True, real))
     _cpu_sync_batch_norm(torch, note)
 
