@@ -13,6 +13,11 @@ Plain functions (``from conftest import ...``, e.g. in tests/browser_helpers.py)
   code cells mention
 - ``notebooks_that_clash(stems)``: the pairs of notebooks that must not run at the same time (one launches a
   script the other writes, or both belong to one chapter)
+- ``charge(wall, parts)``: a shared fixture's ``wall`` seconds split over the course's parts (weights by part)
+
+At the end the suite prints its time by part of the course (00-09 and the deep dives 10-12): the budget is 30 min
+for 00-09 and 45 in all. A test counts for its part by file or parameter; a shared run (every notebook, every
+launched exercise) is split by what each part's own jobs took.
 """
 
 import json
@@ -116,6 +121,49 @@ class NotebookRun:
         return "\n".join(texts)
 
 
+DEEP_DIVE_FILES = ("test_tensor_parallel.py", "test_pipeline_parallel.py", "test_composed_parallelism.py",
+                   "test_model_parallel_args.py")
+DEEP_DIVES = ("10", "11", "12")  # notebooks of the deep dives; their exercises are 7, 8 and 9
+DEEP_DIVE_EXERCISES = ("7", "8", "9")
+_SPENT: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
+_SPLIT: dict[str, dict[str, float]] = {}  # nodeid -> {part: seconds} of a shared run inside it
+
+
+def part_of(name: str) -> str:
+    """'10-12' for a notebook stem, an exercise key or a test id of the deep dives, else '00-09'."""
+    path, _, rest = name.partition("::")
+    param = rest.partition("[")[2]
+    deep = (Path(path).name in DEEP_DIVE_FILES or name[:2] in DEEP_DIVES or param[:2] in DEEP_DIVES
+            or name in DEEP_DIVE_EXERCISES or param.partition("/")[0] in DEEP_DIVE_EXERCISES)
+    return "10-12" if deep else "00-09"
+
+
+def charge(wall: float, parts: dict[str, float]) -> None:
+    """Split ``wall`` seconds of the running test over the parts, in proportion to ``parts`` (part -> weight)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" ")[0]
+    total = sum(parts.values())
+    if test and total:
+        for part, weight in parts.items():
+            _SPLIT.setdefault(test, {}).setdefault(part, 0.0)
+            _SPLIT[test][part] += wall * weight / total
+
+
+def pytest_runtest_logreport(report):
+    _SPENT[report.nodeid] = _SPENT.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    by_part = {"00-09": 0.0, "10-12": 0.0}
+    for nodeid, seconds in _SPENT.items():
+        shared = _SPLIT.get(nodeid, {})
+        by_part[part_of(nodeid)] += seconds - sum(shared.values())
+        for part, share in shared.items():
+            by_part[part] += share
+    terminalreporter.write_line("suite time by part of the course: " + ", ".join(
+        f"{part} {seconds / 60:.1f} min" for part, seconds in by_part.items())
+        + f" (budgets: 00-09 30 min, all 45 min; {sum(by_part.values()) / 60:.1f} min in tests)")
+
+
 _EXECUTED: dict[str, NotebookRun] = {}
 _PLANNED: list[str] = []  # notebooks this session executes anyway (test_notebooks), run together on first need
 WRITEFILE = "%%writefile ../scripts/"
@@ -201,10 +249,14 @@ def executed_notebook(stem: str) -> NotebookRun:
         # (measured: a 2-thread training beside another, 4.3 s spinning, 1.8 s sleeping; alone 1.2 s).
         sleep = {"OMP_WAIT_POLICY": "PASSIVE"} if at_once > 1 else {}
         with mock.patch.dict(os.environ, {"COURSE_QUICK": "1", "COURSE_ANSWER_KEY": "1", **sleep}):  # kernels inherit it
+            started, before = time.monotonic(), set(_EXECUTED)
             if at_once > 1:
                 _execute_planned(at_once)
             if stem not in _EXECUTED:
                 _EXECUTED[stem] = _execute(stem)
+            ran = [_EXECUTED[s] for s in _EXECUTED if s not in before]
+            charge(time.monotonic() - started, {part: sum(r.seconds for r in ran if part_of(r.stem) == part)
+                                                for part in ("00-09", "10-12")})
     return _EXECUTED[stem]
 
 

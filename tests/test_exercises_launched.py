@@ -19,7 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import executed_notebook, wait_for_no_processes
+from conftest import charge, executed_notebook, part_of, wait_for_no_processes
 
 from course import RUNS, SCRIPTS
 from course.exercises import EXERCISES, NOTEBOOK, check, ex1_convert, ex2_by_hand, hint
@@ -77,7 +77,7 @@ def checked(request, tmp_path_factory):
         wanted += ALTERNATIVES
     wanted = list(dict.fromkeys(wanted))
     again = {item.callspec.params["case"] for item in selected if item.originalname == "test_a_race_gets_the_same_diagnosis_every_run"}
-    root = tmp_path_factory.mktemp("launched")
+    root, started = tmp_path_factory.mktemp("launched"), time.monotonic()
     first = [(c, "") for c in wanted if not c.correct] + [(c, f"-again{i}") for c in wanted if c in again for i in (1, 2)]
     second = [(c, "") for c in wanted if c.correct] + [(LATENT, "-config2")] * any(c.correct for c in wanted)
     results = dict(zip(((c.id, tag) for c, tag in first), two_at_a_time(lambda w: check_case(w[0], root, w[1]), first)))
@@ -86,6 +86,8 @@ def checked(request, tmp_path_factory):
                            two_at_a_time(lambda w: check_case(w[0], root, w[1] or "-config2"), second)))
     assert wait_for_no_processes(str(root), timeout=10) == [], "processes of a check left behind"
     walls = sorted(r.wall for r in results.values())
+    charge(time.monotonic() - started, {part: sum(r.wall for (case, _), r in results.items()
+                                                  if part_of(case.partition("/")[0]) == part) for part in ("00-09", "10-12")})
     print(f"{len(walls)} checks: median {walls[len(walls) // 2]:.1f} s, max {walls[-1]:.1f} s")
     return results
 
