@@ -13,7 +13,9 @@ from ddp_doctor.report import COST
 CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
 # article-train-multi-gpu-fixed: DataLoaders with worker processes, whose passes torch draws twice (a false
 # set-epoch before the recorder kept the last draw only)
-LAUNCHED = ["org-elastic-ddp", "org-ddp-tutorial-spawn", "torchvision-reference-fixed", "article-train-multi-gpu-fixed"]
+# imagenet-main-dual-mode: both launch styles in one script, its arguments choosing torchrun's; its GPU path
+LAUNCHED = ["org-elastic-ddp", "org-ddp-tutorial-spawn", "torchvision-reference-fixed", "article-train-multi-gpu-fixed",
+            "imagenet-main-dual-mode"]
 
 
 def test_the_set_has_ten_shapes_each_mistaken_and_fixed():
@@ -46,6 +48,9 @@ def test_the_doctor_checks_a_public_shape_on_this_machine(name, outcomes):
     if "stand-in" in report.command:  # a CPU machine: the report says so, and what it could not see
         assert any("what needs a GPU" in u for u in report.unchecked), report.text()
     assert wait_for_no_processes(outcome.case.script.name, timeout=10) == []
+    if name == "imagenet-main-dual-mode":  # issue 54 item 3: the launch style from the first try, said with why
+        assert "run under torchrun: started once as `python script`, it stopped at `KeyError: 'WORLD_SIZE'`" \
+            in report.command and "telling the script it has 1 GPU per node" in report.command, report.command
 
 
 def test_the_benchmarks_plain_run_gets_the_exit_race_wait_and_the_stand_in(tmp_path):

@@ -390,3 +390,17 @@ def test_the_runner_ends_a_job_whose_ranks_have_all_exited(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_launch_as_the_user_says_and_a_first_process_failure_is_named(tmp_path, capsys):
+    """Issue 54 item 3: ``--launch spawn`` is kept even where the script then asks for torchrun's variables (the
+    default would have rerun it under torchrun, tests/test_doctor_public.py); exit 2 names the error of the
+    script's first process and its line, not the recorder's traceback."""
+    script = tmp_path / "imagenet_main.py"
+    shutil.copy(ROOT / "tests" / "fixtures" / "doctor_public" / "imagenet_main.py", script)
+    code = main(["--launch", "spawn", "--out", str(tmp_path / "doctor"), str(script), "--dist-url", "env://",
+                 "--world-size", "-1"])
+    shown = capsys.readouterr().out
+    assert code == 2 and "launched as `--launch spawn` asked" in shown, shown
+    assert "the script's first process at imagenet_main.py:42 `args.world_size = int(os.environ[\"WORLD_SIZE\"])`: " \
+           "KeyError: 'WORLD_SIZE'" in shown and "recorder.py" not in shown, shown

@@ -40,6 +40,12 @@ def main(argv=None) -> int:
                         help="batches per pass over a DataLoader (0: all)")
     parser.add_argument("--compare-batch-arg", default=None, metavar="FLAG",
                         help="e.g. --batch-size: also run 1 process with FLAG's value and compare the first losses")
+    parser.add_argument("--launch", choices=("torchrun", "spawn"), default=None,
+                        help="how the script is started: under torchrun, or once as `python SCRIPT` (it starts its "
+                             "own processes); default: read from the script, then from its first try")
+    parser.add_argument("--pretend-gpus", action="store_true",
+                        help="on a machine without enough GPUs, tell the script it has one per process (its GPU "
+                             "path runs on the CPU stand-in)")
     parser.add_argument("--show-output", action="store_true", help="stream the script's own output")
     parser.add_argument("--out", default=None, metavar="FOLDER",
                         help="the doctor's folder for this check (records, report, moved files)")
@@ -52,7 +58,8 @@ def main(argv=None) -> int:
     try:
         report = check(options.script, options.args, options.nproc, nodes=options.nodes, timeout=options.timeout,
                        hang_after=options.hang_after, steps=options.steps,
-                       compare_batch_arg=options.compare_batch_arg, folder=options.out,
+                       compare_batch_arg=options.compare_batch_arg, folder=options.out, launch=options.launch,
+                       pretend_gpus=options.pretend_gpus,
                        on_line=(lambda line: print(line, end="", flush=True)) if options.show_output else None)
     except RunDirBusy:
         print(f"error: another doctor is checking {options.script} now: wait for it to end", file=sys.stderr)

@@ -188,8 +188,14 @@ def _arg_index(args: list, name: str) -> int:
 
 def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None, timeout: float = 180,
           hang_after: float = 30, steps: int = 8, compare_batch_arg: str | None = None, cwd=None,
-          folder=None, show: bool = True, fixes: bool = True, on_line=None) -> Report:
+          folder=None, show: bool = True, fixes: bool = True, on_line=None, launch: str | None = None,
+          pretend_gpus: bool = False) -> Report:
     """Run the doctor on ``script`` (see the module's docstring); show and return the report.
+    launch: "torchrun" or "spawn" (the script starts its own processes) as the user says; default: read from the
+    source, then from the first try (a script started once that asks for torchrun's RANK runs under torchrun; a
+    rank under torchrun that starts processes of its own, once as its author runs it). pretend_gpus: on a machine
+    with fewer GPUs than processes, the CPU stand-in tells the script it has one GPU per process (its GPU path runs;
+    by default a script that asks whether a GPU is there runs its CPU path, unless that stops before training).
     cwd: the script's working directory (default: this process's); folder: where the records, the report and
     the files the run created go (default runs/doctor/<script name>-<key of its path> in ``cwd``; claimed: one
     doctor run at a time); fixes=False: the report shown hides each finding's fix (a diagnosis exercise; report.txt keeps
@@ -206,7 +212,13 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
     gpus = count if acc and acc != "mps" else 0
     nproc = nproc or (max(gpus, 2))
     how = style(path, gpus, nproc)
-    nodes = nodes or (1 if gpus >= 2 or how["launch"] == "spawn" else nproc)
+    if launch not in (None, "torchrun", "spawn"):
+        raise ValueError(f"--launch {launch}: torchrun or spawn")
+    if launch:
+        how.update(launch=launch, launch_why=f"launched as `--launch {launch}` asked")
+    if pretend_gpus and gpus < nproc:
+        how.update(standin=True, pretend=True)
+    nodes_asked, nodes = nodes, nodes or (1 if gpus >= 2 or how["launch"] == "spawn" else nproc)
     if how["launch"] == "spawn" and nodes != 1:
         raise ValueError("the script starts its own processes: it runs on one node (no --nodes)")
     if nproc < 2 or nproc % nodes:
@@ -224,6 +236,11 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
         work = folder / STAGING
         shutil.rmtree(work, ignore_errors=True)
         n_run = run(job, work / "job", on_line=on_line, files=work / "files")
+        wanted = "" if launch else wants_torchrun(n_run)
+        if wanted:  # both styles in one script, and its arguments chose torchrun's
+            job.launch, job.nodes = "torchrun", nodes_asked or (1 if gpus >= 2 else nproc)
+            job.launch_why = f"run under torchrun: started once as `python script`, it stopped at {wanted}"
+            n_run = run(job, work / "job-torchrun", on_line=on_line, files=work / "files")
         if job.steps and all(text in n_run.output for text in CUT):  # the script reads its DataLoader with next(): run it uncut
             job.steps = 0
             n_run = run(job, work / "job-uncut", on_line=on_line, files=work / "files")
@@ -233,7 +250,7 @@ def check(script, args=(), nproc: int | None = None, *, nodes: int | None = None
             # run it again with the stand-in answering as a GPU machine would
             job.standin = job.pretend = True
             n_run = run(job, work / "job-pretend", on_line=on_line, files=work / "files")
-        spawned = _spawned(n_run)
+        spawned = "" if launch else _spawned(n_run)
         if spawned:  # a rank started processes of its own (code the doctor did not read): as its author runs it
             job.launch, job.nodes = "spawn", 1
             n_run = run(job, work / "job-spawn", on_line=on_line, files=work / "files")
@@ -267,6 +284,19 @@ def _shown(path: Path, cwd: Path) -> str:
     return os.path.relpath(path, cwd) if path.is_relative_to(cwd) else str(path)
 
 
+MISSING_ENV = re.compile(r"environment variable (\w+) expected, but not set|KeyError: '(RANK|WORLD_SIZE|LOCAL_RANK|"
+                         r"LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|GROUP_RANK)'")
+
+
+def wants_torchrun(run: Run) -> str:
+    """A script started once (``spawn``) that made no process group and failed asking for a variable torchrun
+    sets: the error's text, else ""."""
+    if run.job.launch != "spawn" or run.returncode in (0, None) or any(r.get("pg") for r in run.records.values()):
+        return ""
+    found = MISSING_ENV.search(run.output)
+    return f"`{found.group(0)}`" if found else ""
+
+
 def _spawned(run: Run) -> str:
     """Where a rank under torchrun started processes of its own (the recorder ended it there), or ""."""
     return next((e.get("where") or "?" for r in run.records.values() for e in r.get("errors", [])
@@ -278,6 +308,8 @@ def _how_it_ran(run: Run, report: Report) -> None:
     cannot see, files it could not put back."""
     if run.job.launch == "spawn":
         report.command += "; started once as `python script`, its processes recorded"
+    if run.job.launch_why:
+        report.command += f"; {run.job.launch_why}"
     if run.job.local_rank_arg:
         report.command += (f"; given {run.job.local_rank_arg}=N, spelled as the script declares it (torch.distributed"
                            ".launch writes --local-rank since torch 2.0)")
@@ -285,8 +317,13 @@ def _how_it_ran(run: Run, report: Report) -> None:
     if sites:
         report.command += f"; CUDA/NCCL on a CPU stand-in at {len(sites)} call site{'s' if len(sites) > 1 else ''}"
         if run.job.pretend:
-            report.command += (f", telling the script it has {run.job.nproc // run.job.nodes} GPUs per node (torch.cuda"
+            per_node = run.job.nproc // run.job.nodes
+            report.command += (f", telling the script it has {per_node} GPU{'s' * (per_node != 1)} per node (torch.cuda"
                                " and torch.accelerator)")
+        else:  # the script asks whether a GPU is there (else the stand-in would pretend)
+            report.unchecked.append(
+                f"the script's GPU path: it asks whether a GPU is there and ran its CPU path here; --pretend-gpus runs "
+                f"it as on a machine with {run.job.nproc // run.job.nodes} GPU(s) per node")
         report.unchecked.append(
             f"what needs a GPU: the script ran on the CPU with gloo for nccl ({', '.join(sites[:6])}"
             f"{' ...' if len(sites) > 6 else ''}), so GPU-only code paths, NCCL-only behaviour (its own timeouts, "

@@ -43,6 +43,7 @@ class Job:
     standin: bool = False  # the CPU stand-in for CUDA and NCCL
     pretend: bool = False  # the stand-in says CUDA is there (the script has no CPU path)
     local_rank_arg: str = ""  # "--local_rank" or "--local-rank": given to the script
+    launch_why: str = ""  # why this launch style: the user's --launch, or the first try's failure
 
 
 @dataclass

@@ -16,6 +16,11 @@ def own_failure(run: Run) -> str:
     else a rank that aborted in the communication library (it left no record), else the launcher's account."""
     errors = [(rec.get("t0_ns", 0) / 1e9 + e.get("t", 0), r, e) for r, rec in run.records.items()
               for e in rec.get("errors", []) if e["in"] == "script" and not any(v in e["error"] for v in VICTIM)]
+    parent = [e for e in run.parent.get("errors", []) if e.get("in") == "script"]
+    if not errors and parent:  # started once as `python script`, it failed itself (before or without its ranks)
+        error = parent[0]
+        where = f" at {error['where']} `{error['code']}`" if error.get("where") else ""
+        return f"the script's first process{where}: {clip(error['error'])}"
     if not errors:
         aborted = rules_sync.aborted(run)
         victims = [(r, e) for r, rec in sorted(run.records.items()) for e in rec.get("errors", [])[-1:]
