@@ -369,3 +369,18 @@ def test_published_shapes_that_stop_on_a_cpu_are_run_again_as_on_gpus(outcomes):
     assert children.status == 2 and "ValueError: rank" in children.error and "exit status was 0" in children.error, \
         children.text()
 
+
+
+def test_a_file_handed_between_ranks_outside_the_working_folder_is_named():
+    """Issue 54 item 6: written by one rank and read by another, in the temporary folder or at a fixed path: not
+    checked (fine on one machine, not across nodes or jobs); in the working folder: nothing said."""
+    for path, said in (("/tmp/initial_weights.pt", True), ("/work/project/initial_weights.pt", False)):
+        facts = Facts("/work/project")
+        rules_data.handoffs({0: {"writes": [path], "reads": [path]}, 1: {"writes": [], "reads": [path]}}, facts)
+        assert bool(facts.unchecked) == said, facts.unchecked
+        if said:
+            assert f"rank 0 wrote {path} and rank 1 read it" in facts.unchecked[0]
+    facts = Facts("/work/project")  # each rank reads back only what it wrote itself: no hand-off
+    rules_data.handoffs({0: {"writes": ["/tmp/a.pt"], "reads": ["/tmp/a.pt"]}, 1: {"writes": ["/tmp/b.pt"],
+                                                                                   "reads": ["/tmp/b.pt"]}}, facts)
+    assert not facts.unchecked

@@ -48,6 +48,9 @@ def test_the_doctor_checks_a_public_shape_on_this_machine(name, outcomes):
     if "stand-in" in report.command:  # a CPU machine: the report says so, and what it could not see
         assert any("what needs a GPU" in u for u in report.unchecked), report.text()
     assert wait_for_no_processes(outcome.case.script.name, timeout=10) == []
+    if name == "article-train-multi-gpu-fixed":  # issue 54 item 6: initial weights handed through the temp folder
+        assert any(u.startswith("a file handed between ranks outside the working folder: rank 0 wrote ") and
+                   "initial_weights.pt and rank 1 read it" in u for u in report.unchecked), report.text()
     if name == "imagenet-main-dual-mode":  # issue 54 item 3: the launch style from the first try, said with why
         assert "run under torchrun: started once as `python script`, it stopped at `KeyError: 'WORLD_SIZE'`" \
             in report.command and "telling the script it has 1 GPU per node" in report.command, report.command

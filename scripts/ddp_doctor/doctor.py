@@ -101,6 +101,7 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
             rule(records, facts)
     if records:
         rules_data.writes(records, facts)
+        rules_data.handoffs(records, facts)
         rules_data.node_local_writes(records, _source(job.script), facts)
     rules_sync.aborted_mismatch(run, facts)
     rules_sync.own_error(run, facts)

@@ -274,6 +274,26 @@ def writes(records: dict, facts) -> None:
             + _local_rank_hint(records)))
 
 
+def handoffs(records: dict, facts) -> None:
+    """A file one rank wrote and another read, outside the working folder (the temporary folder, a fixed path):
+    on one machine it works; on several each reads its own machine's copy, and two jobs share the name. The run
+    cannot tell: said as unchecked (issue 54 item 6)."""
+    cwd = facts.cwd.rstrip(os.sep) + os.sep
+    writers: dict = {}
+    for r, rec in records.items():
+        for path in rec.get("writes", []):
+            writers.setdefault(path, set()).add(r)
+    for path in sorted(writers):
+        readers = sorted(r for r, rec in records.items() if path in rec.get("reads", []) and r not in writers[path])
+        if readers and not path.startswith(cwd):
+            facts.unchecked.append(
+                f"a file handed between ranks outside the working folder: rank {'/'.join(map(str, sorted(writers[path])))}"
+                f" wrote {path} and rank {', '.join(map(str, readers))} read it; here all ranks share one machine, but "
+                "on several nodes each reads its own machine's copy (missing or stale), and two jobs on one machine "
+                "use the same name (broadcast the object, or write it in a folder every node sees, named per job)")
+            return
+
+
 LOCAL_ZERO = re.compile(r"(?i)\b(local_rank|gpu_id)\W{0,4}==\s*0\b")  # `if self.gpu_id == 0:` (the tutorials' name)
 
 

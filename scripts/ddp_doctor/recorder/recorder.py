@@ -5,7 +5,8 @@ exercise checker and by the DDP doctor; not started by learners).
 
 Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
 records facts that the script cannot fake or forget to report:
-- the files it wrote (an audit hook sees every ``open`` for writing and every rename; ``torch.save`` too);
+- the files it wrote (an audit hook sees every ``open`` for writing and every rename; ``torch.save`` too), and
+  the files written during the run that it read;
 - every ``torch.distributed`` collective it called from Python, and ``init_process_group``
   (``recorder_collectives.py``); at exit the flight recorder's entries: every collective the process group
   ran, DDP's own gradient all-reduces included;
@@ -29,6 +30,7 @@ main thread is, its last collectives, ``leaving`` if a collective failed; a rank
 """
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -55,7 +57,7 @@ IGNORED_PARTS = ("/torchinductor_", "/triton", "/course-torchrun-", "__pycache__
 T0 = time.perf_counter()
 record = {"rank": int(RANK), "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                      "LOCAL_WORLD_SIZE", "GROUP_RANK")},
-          "writes": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
+          "writes": [], "reads": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
           "samplers": [], "state_bytes": 0, "pg": None, "fr": [], "script": SCRIPT, "dirs": [], "errors": [],
           "t0_ns": time.time_ns(), "pid": os.getpid()}
 _LOCK = threading.Lock()  # one writer of the record at a time: the main thread at exit, or the watcher
@@ -153,6 +155,11 @@ def _audit(event, args):
         mode, flags = args[1], args[2] or 0
         if (mode and any(c in mode for c in "wax+")) or (not mode and flags & (os.O_WRONLY | os.O_RDWR)):
             _written(args[0])
+        elif TRAINING and len(record["reads"]) < 100:  # a file this run wrote, read back: a hand-off between ranks?
+            path = os.path.abspath(os.fsdecode(args[0]))
+            with contextlib.suppress(OSError):  # an error here would be the script's open()'s
+                if path not in record["reads"] and _mine(path) and os.stat(path).st_mtime >= SINCE:
+                    record["reads"].append(path)
     elif event in ("os.rename", "os.replace") and len(args) >= 2:
         _removed(args[0], args[2] if len(args) > 2 else None)
         _written(args[1])
