@@ -12,7 +12,7 @@ from conftest import wait_for_no_processes
 
 from course import ROOT
 from course import doctor_cases as cases
-from ddp_doctor import rules_data, rules_ddp, rules_sync
+from ddp_doctor import rules_data, rules_ddp, rules_files, rules_sync
 from ddp_doctor.doctor import Facts, diagnose
 from ddp_doctor.report import COST, Finding, Report, clip
 from ddp_doctor.running import Job, Run
@@ -222,9 +222,9 @@ def test_fixes_fit_a_model_that_is_already_wrapped():
 def test_a_folder_is_never_a_file_written_by_several_ranks(tmp_path):
     """tempfile.TemporaryFile opens its folder (O_TMPFILE): the folder is not a shared file."""
     folder = str(tmp_path)
-    assert _codes(rules_data.writes, {r: {"writes": [folder], "env": {}} for r in (0, 1)})[1] == []
+    assert _codes(rules_files.writes, {r: {"writes": [folder], "env": {}} for r in (0, 1)})[1] == []
     shared = str(tmp_path / "last.pt")
-    assert _codes(rules_data.writes, {r: {"writes": [shared], "env": {}} for r in (0, 1)})[1] == ["rank-writes"]
+    assert _codes(rules_files.writes, {r: {"writes": [shared], "env": {}} for r in (0, 1)})[1] == ["rank-writes"]
 
 
 def test_saving_on_each_nodes_local_rank_0_is_not_called_a_mistake(tmp_path):
@@ -236,8 +236,8 @@ def test_saving_on_each_nodes_local_rank_0_is_not_called_a_mistake(tmp_path):
 
     def codes(records, source):
         facts = Facts("/")
-        rules_data.writes(records, facts)
-        rules_data.node_local_writes(records, source, facts)
+        rules_files.writes(records, facts)
+        rules_files.node_local_writes(records, source, facts)
         return facts, [f.code for f in facts.findings]
 
     facts, found = codes(nodes, "if self.gpu_id == 0 and epoch % self.save_every == 0:\n")
@@ -376,11 +376,11 @@ def test_a_file_handed_between_ranks_outside_the_working_folder_is_named():
     checked (fine on one machine, not across nodes or jobs); in the working folder: nothing said."""
     for path, said in (("/tmp/initial_weights.pt", True), ("/work/project/initial_weights.pt", False)):
         facts = Facts("/work/project")
-        rules_data.handoffs({0: {"writes": [path], "reads": [path]}, 1: {"writes": [], "reads": [path]}}, facts)
+        rules_files.handoffs({0: {"writes": [path], "reads": [path]}, 1: {"writes": [], "reads": [path]}}, facts)
         assert bool(facts.unchecked) == said, facts.unchecked
         if said:
             assert f"rank 0 wrote {path} and rank 1 read it" in facts.unchecked[0]
     facts = Facts("/work/project")  # each rank reads back only what it wrote itself: no hand-off
-    rules_data.handoffs({0: {"writes": ["/tmp/a.pt"], "reads": ["/tmp/a.pt"]}, 1: {"writes": ["/tmp/b.pt"],
+    rules_files.handoffs({0: {"writes": ["/tmp/a.pt"], "reads": ["/tmp/a.pt"]}, 1: {"writes": ["/tmp/b.pt"],
                                                                                    "reads": ["/tmp/b.pt"]}}, facts)
     assert not facts.unchecked

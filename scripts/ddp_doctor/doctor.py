@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_doctor import rules_data, rules_ddp, rules_sync
+from ddp_doctor import rules_data, rules_ddp, rules_files, rules_sync
 from ddp_doctor.report import COST, Finding, Report, in_notebook
 from ddp_doctor.running import Job, Run, run
 from ddp_doctor.unchecked import nothing_checked, own_failure, still_running
@@ -100,9 +100,9 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
         for rule in (rules_data.epoch_order, rules_ddp.accumulation, rules_ddp.ddp_settings):
             rule(records, facts)
     if records:
-        rules_data.writes(records, facts)
-        rules_data.handoffs(records, facts)
-        rules_data.node_local_writes(records, _source(job.script), facts)
+        rules_files.writes(records, facts)
+        rules_files.handoffs(records, facts)
+        rules_files.node_local_writes(records, _source(job.script), facts)
     rules_sync.aborted_mismatch(run, facts)
     rules_sync.own_error(run, facts)
     if run.returncode not in (0, None) and not hung and not report.error:

@@ -1,14 +1,12 @@
-"""The doctor's rules about data and files, each made from what the run did (``recorder_training``'s record of
-every pass over a DataLoader, every training forward's input, every file written): the data split between the
-ranks, its order from epoch to epoch, evaluation, batches per rank, and files written by several ranks.
+"""The doctor's rules about data, each made from what the run did (``recorder_training``'s record of every pass
+over a DataLoader, every training forward's input): the data split between the ranks, its order from epoch to
+epoch, evaluation, batches per rank, threads against cores (files: ``rules_files``).
 
 Each rule takes the records (rank -> record) and the ``Facts`` being built, and adds findings, what it checked
 and what it could not check."""
 
 import itertools
-import os
 import re
-import tempfile
 from collections import Counter
 
 from ddp_doctor.report import COST, Finding
@@ -49,6 +47,10 @@ def sharding(records: dict, facts) -> None:
     a = [f[0] for f in first]  # the first training pass of every rank
     size = a[0]["size"]
     facts.checked.append(f"data split ({a[0]['count']} samples per rank and pass, dataset of {size})")
+    views = {p.get("view") for p in a}
+    if len(views) > 1 and None not in views:  # each rank's dataset holds index lists of its own: a partition
+        _by_samples(a, facts)
+        return
     shared = set(a[0]["indices"]).intersection(*(set(p["indices"]) for p in a[1:]))
     whole = all(p["count"] + p["count"] // max(p["batches"], 1) >= p["size"] for p in a)  # drop_last: a batch less
     if size and whole and len(shared) * 2 >= a[0]["count"] and not _per_rank(records, a, sorted(shared), facts):
@@ -80,6 +82,28 @@ def sharding(records: dict, facts) -> None:
             f"DistributedSampler(num_replicas={a[0]['distributed']['num_replicas']}) on {len(ranks)} ranks: "
             f"{sum(p['count'] for p in a)} of {size} samples per pass are used",
             "let DistributedSampler take num_replicas and rank from the process group"))
+
+
+def _by_samples(a: list, facts) -> None:
+    """Ranks whose datasets hold different index lists (a hand-made partitioner's): their samplers' indices mean
+    different samples, so the split is judged by the samples each drew (fingerprints of their inputs)."""
+    drawn = [set(p.get("samples", [])) for p in a]
+    if not all(drawn):
+        facts.unchecked.append("the data split: each rank's dataset holds index lists of its own, and the samples "
+                               "drawn were not recorded (no tensor in the batches)")
+        return
+    counts = Counter(s for d in drawn for s in d)
+    twice = sum(c > 1 for c in counts.values())
+    facts.checked[-1] = facts.checked[-1][:-1] + (f"; each rank's dataset holds index lists of its own: of the "
+                                                  f"{len(counts)} samples the ranks drew first, {twice} by two ranks "
+                                                  "or more)")
+    if twice * 20 >= len(counts):
+        facts.add(Finding(
+            "shard-overlap", "The ranks' training samples overlap: several ranks train on the same samples.",
+            f"each rank's dataset holds index lists of its own, yet {twice} of the {len(counts)} samples the ranks "
+            "drew first were drawn by two ranks or more", "cut one shuffle into parts, the same on every rank (one "
+            "seed), and give each rank the part dist.get_rank(); or use DistributedSampler(dataset) on the whole "
+            "dataset"))
 
 
 def _padded(a: list, covered: int, n: int) -> bool:
@@ -239,79 +263,6 @@ def evaluation(records: dict, facts) -> None:
 def _next_start(rec: dict, p: dict) -> float | None:
     later = [q["t"] for q in rec.get("loaders", []) if q["train"] and q["t"] > p["t"]]
     return min(later) if later else None
-
-
-EVENTS = re.compile(r"events\.out\.tfevents\.")
-
-
-def writes(records: dict, facts) -> None:
-    """The same file (or TensorBoard folder) written by several ranks."""
-    by_path: dict = {}
-    folders: dict = {}
-    for r, rec in records.items():
-        for path in rec.get("writes", []):
-            if os.path.isdir(path):  # opened to hold a file with no name (tempfile.TemporaryFile): not written
-                continue
-            by_path.setdefault(path, set()).add(r)
-            if EVENTS.search(os.path.basename(path)):
-                folders.setdefault(os.path.dirname(path), set()).add(r)
-    temp = tempfile.gettempdir() + os.sep
-    in_temp = sum(str(p).startswith(temp) for p in by_path)
-    facts.checked.append(f"files written ({len(by_path)}"
-                         + (f", {in_temp} of them in the temporary folder {temp.rstrip(os.sep)}" if in_temp else "")
-                         + ")")
-    shared = sorted(p for p, ranks in by_path.items() if len(ranks) > 1)
-    shared_tb = sorted(f for f, ranks in folders.items() if len(ranks) > 1)
-    if shared or shared_tb:
-        names = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in shared + shared_tb]
-        counts = sorted({len(by_path.get(p, folders.get(p, ()))) for p in shared + shared_tb})
-        facts.add(Finding(
-            "rank-writes", "Several ranks write the same files: they overwrite each other (a checkpoint can be "
-            "torn, a log garbled), and TensorBoard reads all ranks' event files in one folder as one series whose "
-            "steps jump back.",
-            f"written by {'/'.join(map(str, counts))} ranks: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
-            "write checkpoints, logs and TensorBoard events on rank 0 only (`if dist.get_rank() == 0:`)"
-            + _local_rank_hint(records)))
-
-
-def handoffs(records: dict, facts) -> None:
-    """A file one rank wrote and another read, outside the working folder (the temporary folder, a fixed path):
-    on one machine it works; on several each reads its own machine's copy, and two jobs share the name. The run
-    cannot tell: said as unchecked (issue 54 item 6)."""
-    cwd = facts.cwd.rstrip(os.sep) + os.sep
-    writers: dict = {}
-    for r, rec in records.items():
-        for path in rec.get("writes", []):
-            writers.setdefault(path, set()).add(r)
-    for path in sorted(writers):
-        readers = sorted(r for r, rec in records.items() if path in rec.get("reads", []) and r not in writers[path])
-        if readers and not path.startswith(cwd):
-            facts.unchecked.append(
-                f"a file handed between ranks outside the working folder: rank {'/'.join(map(str, sorted(writers[path])))}"
-                f" wrote {path} and rank {', '.join(map(str, readers))} read it; here all ranks share one machine, but "
-                "on several nodes each reads its own machine's copy (missing or stale), and two jobs on one machine "
-                "use the same name (broadcast the object, or write it in a folder every node sees, named per job)")
-            return
-
-
-LOCAL_ZERO = re.compile(r"(?i)\b(local_rank|gpu_id)\W{0,4}==\s*0\b")  # `if self.gpu_id == 0:` (the tutorials' name)
-
-
-def node_local_writes(records: dict, source: str, facts) -> None:
-    """Files that each simulated node's LOCAL_RANK 0 wrote, from a script that saves where LOCAL_RANK is 0 (read
-    from its source): right on one node or with node-local disks, wrong on nodes sharing a filesystem. The run
-    cannot tell which the learner has: said as unchecked, not as a mistake."""
-    found = next((f for f in facts.findings if f.code == "rank-writes"), None)
-    nodes = {rec["env"].get("GROUP_RANK") for rec in records.values()}
-    if found is None or len(nodes) < 2 or not LOCAL_ZERO.search(source) \
-            or any((rec["env"].get("LOCAL_RANK") or "0") != "0" for rec in records.values() if rec.get("writes")):
-        return
-    facts.findings.remove(found)
-    facts.unchecked.append(
-        f"whether your nodes share a filesystem: the script saves where LOCAL_RANK is 0 (read from its source), so "
-        f"the first process of each of the doctor's {len(nodes)} simulated nodes wrote the same files "
-        f"({found.evidence.removeprefix('written by ')}): right on one node or with node-local disks; on nodes "
-        "sharing a filesystem they overwrite each other (save on RANK 0 there)")
 
 
 def oversubscribed(records: dict, facts) -> None:

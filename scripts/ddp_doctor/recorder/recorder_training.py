@@ -19,6 +19,7 @@ show a data-parallel mistake, recorded per rank for the first ``MAX_STEPS`` opti
 Imported by ``recorder.py`` by its plain name, so that it works beside a learner's own ``course`` package.
 """
 
+import contextlib
 import itertools
 import os
 import sys
@@ -164,6 +165,27 @@ def _data_fp(dataset):
     return fps[id(tensors[0])]
 
 
+def _view_fp(dataset):
+    """A fingerprint of the index lists a dataset class of the script's holds (a hand-made partition's ``index``):
+    ranks whose datasets hold different ones read different parts, whatever their samplers yield (hashes of ints
+    only: a str's hash differs from process to process)."""
+    fps = state.setdefault("views", {})
+    if id(dataset) not in fps:
+        found = [(len(v), hash(tuple(v[:MAX_INDICES]))) for _, v in sorted(getattr(dataset, "__dict__", {}).items())
+                 if isinstance(v, (list, tuple, range)) and v and all(type(i) is int for i in v[:10])]
+        fps[id(dataset)] = hash(tuple(found)) if found else None
+    return fps[id(dataset)]
+
+
+def _samples(entry: dict, batch) -> None:
+    """Fingerprints of the samples a training pass drew (its batches' first tensor, row by row; 512 at most)."""
+    x = _first_tensor(batch)
+    if x is None or x.dim() == 0 or x.numel() == 0 or len(entry["samples"]) >= 512 or not entry["train"]:
+        return
+    rows = x.detach().reshape(len(x), -1).double()
+    entry["samples"] += [hash((round(a, 6), round(b, 6))) for a, b in torch.stack([rows.sum(1), rows.square().sum(1)], 1).tolist()]
+
+
 def _install_loaders():
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Subset
     from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -205,7 +227,8 @@ def _install_loaders():
                 "sampler": type(sampler).__name__, "distributed": dist_sampler, "train": torch.is_grad_enabled(),
                 "batches": len(items), "consumed": 0, "count": len(flat), "indices": flat[:MAX_INDICES],
                 "workers": self.loader.num_workers, "t": now(), "end": None, "step": state["steps"],
-                "split": hash(tuple(split)) if split else None, "data": _data_fp(dataset)})
+                "split": hash(tuple(split)) if split else None, "data": _data_fp(dataset), "samples": [],
+                "view": None if subset else _view_fp(dataset)})
             state["pass"] = record["loaders"][-1]
             if STEPS and len(items) > STEPS:  # cut: the pass (and the loader's length) ends after STEPS batches
                 record["loaders"][-1]["cut"] = STEPS
@@ -244,6 +267,8 @@ def _install_loaders():
             raise
         if entry is not None:
             entry["consumed"] += 1
+            with contextlib.suppress(Exception):  # never the script's error
+                _samples(entry, batch)
         return batch
 
     _BaseDataLoaderIter.__next__ = recorded_next
