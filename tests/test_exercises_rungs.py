@@ -189,6 +189,22 @@ def test_ex7_names_a_divided_backward_and_a_sum_on_one_rank():
     assert fails(ex7_tp.diagnose, reduced, ref).diagnosis == "reduce-one-rank"
 
 
+
+def test_ex7_a_gradient_saved_as_none_is_not_told_to_keep_the_save():
+    """Issue 55: a gradient that never arrives (saved as None) named as such, its causes listed; a value the
+    script did not save at all is still "keep the torch.save"."""
+    ref = ex7_tp.reference(**ex7_tp.CONFIG)
+    none = _ex7_saved(ref)
+    none[0]["fc_weight_grad"] = None
+    verdict = fails(ex7_tp.diagnose, none, ref)
+    first = ex7_tp.HINTS[verdict.diagnosis][0]
+    assert verdict.diagnosis == "grad-none" and "fc_weight_grad as None" in verdict.symptom, verdict.symptom
+    assert "torch.save" not in first and "nn.Parameter" in first and "returned None" in first
+    missing = _ex7_saved(ref)
+    del missing[0]["fc_weight_grad"]
+    assert fails(ex7_tp.diagnose, missing, ref).diagnosis == "no-output"
+
+
 # ------------------------------------------------------------------ exercise 9: what came back
 def test_ex9_names_dropped_tokens_and_inputs_sent_back():
     ref = ex9_experts.reference(24, 3)

@@ -54,11 +54,16 @@ CRASH_HINTS = {
          "the line, the object's own methods (`dir(obj)` lists them)."),
         "Correct the name (or define it before the line), run the `%%writefile` cell again, then check."],
     "crash-none": [
-        ("A value was None where a tensor belongs, on the line shown: most often a `.grad` that no backward() "
-         "filled, because its tensor did not require grad when the forward used it."),
-        ("Which tensor on that line is None? A tensor's .grad is filled by backward() only if it required grad "
-         "*before* the forward that used it (requires_grad_() first, then the forward)."),
-        "Call requires_grad_() on the tensor before the forward that uses it, and read its .grad after backward()."],
+        ("A value was None where a tensor belongs, on the line shown. Three things give None: a `.grad` that no "
+         "backward() filled (its tensor did not require grad before the forward, or it is not the tensor the "
+         "backward went through); a variable assigned the result of a call that returns None (dist.all_reduce and "
+         "the other collectives work in place and return None; so do in-place methods such as list.append); a "
+         "function that ends without `return`."),
+        ("Which name on that line is None (the line above says what each held), and where was it last assigned? "
+         "A `.grad`: did that very tensor require grad *before* the forward that used it? A call's result: does "
+         "that call return anything?"),
+        ("A .grad: requires_grad_() on that tensor before its forward, and read it after backward(). A collective: "
+         "call it on the tensor and use the tensor (`dist.all_reduce(t)`, then `t`). A function: return the value.")],
     "crash-not-tensor": [
         ("A collective was given a Python number (or another object), not a tensor: torch.distributed works in place "
          "on tensors, and `.item()` turned one into a number too early."),

@@ -125,6 +125,8 @@ def diagnose(saved: list[dict], ref: dict, config: dict = CONFIG) -> Verdict:
     """The first mistake the numbers show, or a pass."""
     for r, mine in enumerate(saved):
         for name in ("out", "x_grad", *GRADS, "fc_weight", "proj_weight"):
+            if name in mine and mine[name] is None and name != "out":  # saved, but backward() never reached it
+                fail("grad-none", f"rank {r} saved {name} as None: backward() gave that tensor no gradient.")
             if mine.get(name) is None:
                 fail("no-output", f"rank {r} saved no {name}: keep the torch.save(...) of the script as it is.")
         for name in ("out", "x_grad"):
@@ -242,6 +244,14 @@ HINTS = {
         ("fc's row j and proj's column j belong to hidden unit j: the rank that holds one must hold the other, and "
          "together the ranks hold every unit once. Which rank index does each slice use?"),
         "fc: full.weight.chunk(world, dim=0)[rank]; proj: full.weight.chunk(world, dim=1)[rank] (the same rank)."],
+    "grad-none": [
+        ("A gradient the script saves is None: backward() never reached that tensor. Two causes give this: the "
+         "tensor did not require grad (a slice made with detach() but not wrapped in nn.Parameter), or an autograd "
+         "Function on the way back returned None instead of the gradient."),
+        ("Which tensor's gradient is None (the line above names it)? Follow the path from the loss back to it: "
+         "each backward() of Copy and Reduce on that path must return a tensor."),
+        ("Wrap each slice in nn.Parameter(...detach().clone()); Copy.backward returns the summed grad, "
+         "Reduce.backward returns grad.")],
     "wrong-output": [
         "The output is wrong, and not because a sum is missing.",
         "Check the slices (rows for fc, columns for proj) and that Copy's forward returns its input unchanged.",
