@@ -263,12 +263,13 @@ def test_a_failed_rank_ends_the_job_and_deleted_files_come_back(tmp_path):
     assert report.seconds < 200, report.text()  # the other rank would have slept 120 s after a slow start
 
 
-def _recorded(script: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """``script`` run by the recorder alone (one process, rank 0), its records in tmp_path/out."""
+def _recorded(script: str, tmp_path: Path, **extra) -> tuple[subprocess.Popen, Path]:
+    """``script`` run by the recorder alone (one process, rank 0), its records in tmp_path/out; ``extra``: more
+    environment (COURSE_RECORD_TRAINING="1": the doctor's training recorder too)."""
     path, out = tmp_path / "script.py", tmp_path / "out"
     path.write_text(script)
     out.mkdir()
-    env = {**os.environ, "COURSE_RECORD_OUT": str(out), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "COURSE_RECORD_OUT": str(out), "PYTHONUNBUFFERED": "1", **extra}
     return subprocess.Popen([sys.executable, str(ENTRY), str(path)], env=env, stdout=subprocess.PIPE, text=True,
                             cwd=tmp_path), out
 
@@ -404,3 +405,41 @@ def test_launch_as_the_user_says_and_a_first_process_failure_is_named(tmp_path, 
     assert code == 2 and "launched as `--launch spawn` asked" in shown, shown
     assert "the script's first process at imagenet_main.py:42 `args.world_size = int(os.environ[\"WORLD_SIZE\"])`: " \
            "KeyError: 'WORLD_SIZE'" in shown and "recorder.py" not in shown, shown
+
+
+TWO_WORLDS = '''import torch, torch.distributed as dist
+from torch import nn
+
+def world(steps, lr):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        dist.all_reduce(torch.zeros(1))
+        opt.step()
+    dist.destroy_process_group()
+
+world(3, 0.1)
+world(2, 0.2)
+'''
+
+
+def test_each_world_is_recorded_on_its_own(tmp_path):
+    """Issue 54 item 4: a script that makes a process group, destroys it and makes another has the first world
+    summarised in ``worlds`` and the record of the last one alone (its steps, collectives, models); the report
+    says how many worlds there were and that the checks are of the last (records built by hand: two ranks)."""
+    proc, out = _recorded(TWO_WORLDS, tmp_path, COURSE_RECORD_TRAINING="1")
+    proc.communicate(timeout=120)
+    record = json.loads((out / "record_rank0.json").read_text())
+    assert [w["steps"] for w in record["worlds"]] == [3] and record["worlds"][0]["where"].endswith(":5")
+    assert len(record["steps"]) == 2 and len(record["modules"]) == 1 and len(record["grads"]) == 2
+    assert sum(c.get("op") == "all_reduce" for c in record["collectives"]) == 2, record["collectives"]
+    from ddp_doctor.doctor import diagnose
+
+    records = {r: {**record, "env": {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": str(r)},
+                   "rank": r, "pg": {**record["pg"], "rank": r, "world_size": 2}} for r in (0, 1)}
+    report = diagnose(Run(Job(tmp_path / "script.py", [], nproc=2, nodes=2, cwd=tmp_path), 0, "", records, {}, 1.0))
+    assert any(u.startswith("the first 1 of the 2 process groups the script made one after another (the first at ")
+               for u in report.unchecked), report.text()

@@ -219,7 +219,8 @@ def _instrument():
 
     recorder_collectives.install(record, now, where, PG_TIMEOUT,
                                  depth=(lambda: training.state["depth"]) if TRAINING else None,
-                                 port=int(os.environ.get("COURSE_RECORD_PORT") or 0), out=OUT)
+                                 port=int(os.environ.get("COURSE_RECORD_PORT") or 0), out=OUT,
+                                 new_world=(lambda: training.new_world()) if TRAINING else None)
 
     save = torch.save  # writes through C++ (no audit event for the file): record its path here
 

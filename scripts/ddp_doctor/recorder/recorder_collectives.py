@@ -133,8 +133,29 @@ def _said(out: str) -> set:
     return {os.path.basename(f).split("rank", 1)[1] for f in files}
 
 
-def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port: int = 0, out: str = "") -> None:
-    """Wrap torch.distributed's collectives and init_process_group; ``depth()``: how deep in forward calls."""
+# What one world (one process group, from init_process_group to the next) did: a second group made after the
+# first starts them afresh, so that no rule compares records of different worlds (issue 54 item 4).
+WORLD_KEYS = ("collectives", "backward", "grad_ready", "steps", "samplers", "modules", "params", "forwards", "grads",
+              "losses", "loaders", "ddp", "ddp_eval", "no_sync", "join")
+
+
+def _new_world(record: dict, reset=None) -> None:
+    """The world so far, summarised in ``worlds``; its facts emptied (``reset``: the training recorder's too)."""
+    pg = record.get("pg") or {}
+    record.setdefault("worlds", []).append({"where": pg.get("where"), "world_size": pg.get("world_size"),
+                                            "steps": len(record.get("steps", []))})
+    for key in WORLD_KEYS:
+        if isinstance(record.get(key), list):
+            record[key] = []
+    record["state_bytes"] = 0
+    if reset:
+        reset()
+
+
+def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port: int = 0, out: str = "",
+            new_world=None) -> None:
+    """Wrap torch.distributed's collectives and init_process_group; ``depth()``: how deep in forward calls;
+    ``new_world()``: called when a process group is made after another was (the training recorder's reset)."""
     import torch
     import torch.distributed as dist
 
@@ -197,6 +218,8 @@ def install(record: dict, now, where, pg_timeout: float = 0.0, depth=None, port:
                 os.environ["MASTER_PORT"] = str(port)
             if isinstance(method, str) and method.startswith("tcp://"):
                 given["init_method"] = method = re.sub(r":\d+(?=$|[/?])", f":{port}", method, count=1)
+        if (record.get("pg") or {}).get("world_size") is not None:  # a world was made before this one
+            _new_world(record, new_world)
         record["pg"] = {"where": where(), "rank_arg": asked.get("rank"), "world_size_arg": asked.get("world_size")}
         try:
             result = init(**given)

@@ -16,8 +16,7 @@ show a data-parallel mistake, recorded per rank for the first ``MAX_STEPS`` opti
   (``split``) and of a dataset held in tensors (``data``): ranks that split or draw the data each their own way;
 - ``ddp``: each DistributedDataParallel's settings, entries into ``no_sync()``, ``Join`` contexts, threads;
   ``ddp_eval``: each forward through DDP without gradients, with the buffers it broadcast and the script's line.
-Imported by ``recorder.py`` by its plain name, so that it works beside a learner's own ``course`` package.
-"""
+Imported by ``recorder.py`` by its plain name, so that it works beside a learner's own ``course`` package."""
 
 import contextlib
 import itertools
@@ -127,6 +126,10 @@ def _post_step(optimizer, args, kwargs):
     state["steps"] += 1
 
 
+def new_world() -> None:  # a process group made after another: its steps and models counted afresh
+    state.update(steps=0, last={}, modules={}, params=[], optimizers={}, scaled={})
+
+
 def on_backward(loss) -> None:
     """The loss of a backward() call and the constant factor between it and the mean loss below it."""
     if len(record["losses"]) >= 50 * MAX_STEPS:
@@ -166,9 +169,8 @@ def _data_fp(dataset):
 
 
 def _view_fp(dataset):
-    """A fingerprint of the index lists a dataset class of the script's holds (a hand-made partition's ``index``):
-    ranks whose datasets hold different ones read different parts, whatever their samplers yield (hashes of ints
-    only: a str's hash differs from process to process)."""
+    """A fingerprint of the index lists a dataset of the script's own holds (a hand-made partition's): ranks whose
+    datasets differ there read different parts (hashes of ints only: a str's differs between processes)."""
     fps = state.setdefault("views", {})
     if id(dataset) not in fps:
         found = [(len(v), hash(tuple(v[:MAX_INDICES]))) for _, v in sorted(getattr(dataset, "__dict__", {}).items())
