@@ -31,5 +31,5 @@ def test_bench_counts_a_wrong_verdict_as_wrong(tmp_path):
     assert metrics["false_pass_cases"] == ["3/the solution, named as a mistake"]
     assert metrics["false_fail_cases"] == ["3/a broken sampler, listed as correct"]
     assert metrics["first_hint_rate"] == 0.0
-    assert metrics["first_rung"] == {"named": 0, "generic": 0, "misleading": 0, "passed": 1}
+    assert metrics["first_rung"] == {"named": 0, "generic": 0, "misleading": 0, "passed": 1, "to judge": 0}
     assert [r["first_rung"] for r in metrics["cases"]] == ["passed", None]  # a correct alternative has no rung

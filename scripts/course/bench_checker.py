@@ -17,7 +17,9 @@ id (and the rung shown is the first of that diagnosis's ladder); ``generic`` whe
 only where to look (``hints.GENERIC``: a crash or a hang not read further, a plain difference); ``misleading``
 when it is another specific diagnosis (its first rung names a kind of mistake the script does not have);
 ``passed`` for a false PASS. Counted per exercise and per group of cases (``Case.group``: the older set, issue
-44's kinds, and the held-out set written before the rules for those kinds, reported apart).
+44's kinds, and the held-out set written before the rules for those kinds, reported apart). Issue 55's held-out
+set (``held-out-55``) declares no kind (``expect`` "unknown"): its first hints are recorded (``first_hint``) and
+classed "to judge", by reading them as a learner would (docs/checker.md gives the judged figures).
 The tests hold each case to its diagnosis; this measures the rates, as a course with a grader should.
 """
 
@@ -62,10 +64,16 @@ def run_case(case, root: Path, attempt: int, timeout: float) -> dict:
                    timeout=timeout)
     right = result.passed if case.correct else (not result.passed and result.diagnosis == case.expect
                                                 and result.hint_level == 1)
+    judged = case.expect == UNKNOWN  # a set whose first hints are judged by reading them (issue 55's held-out)
     return {"case": case.id, "exercise": case.key, "expect": case.expect, "class": case.cls,
             "group": case.group or "older", "status": result.status, "diagnosis": result.diagnosis,
             "launched": EXERCISES[case.key].launches, "seconds": round(time.monotonic() - start, 1), "right": right,
-            "first_rung": None if case.correct else first_rung(result.passed, result.diagnosis, right)}
+            "first_rung": None if case.correct else "passed" if result.passed else "to judge" if judged
+            else first_rung(result.passed, result.diagnosis, right),
+            "first_hint": "" if result.passed else (result.hint or "")[:600]}
+
+
+UNKNOWN = "unknown"  # Case.expect of a mistake whose first hint is judged by reading it, not by a diagnosis id
 
 
 def first_rung(passed: bool, diagnosis: str, right: bool) -> str:
@@ -79,20 +87,21 @@ def first_rung(passed: bool, diagnosis: str, right: bool) -> str:
 
 def rates(rows: list[dict]) -> dict:
     """False PASS, false FAIL and first-hint rates of a list of checked cases (the first run of each)."""
-    mistakes = [r for r in rows if r["expect"] != "pass"]
+    mistakes = [r for r in rows if r["expect"] != "pass"]  # "unknown" ones too: false PASS counts for them
     correct = [r for r in rows if r["expect"] == "pass"]
     false_pass = [r["case"] for r in mistakes if r["status"] == "pass"]
     false_fail = [r["case"] for r in correct if r["status"] != "pass"]
     named = [r for r in mistakes if r["right"]]
-    classes = {k: sum(r["first_rung"] == k for r in mistakes) for k in ("named", "generic", "misleading", "passed")}
+    classes = {k: sum(r["first_rung"] == k for r in mistakes)
+               for k in ("named", "generic", "misleading", "passed", "to judge")}
     return {"first_rung": classes, "mistakes": len(mistakes), "correct_alternatives": len(correct),
             "false_pass": len(false_pass), "false_pass_rate": round(len(false_pass) / max(len(mistakes), 1), 3),
             "false_fail": len(false_fail), "false_fail_rate": round(len(false_fail) / max(len(correct), 1), 3),
             "first_hint_names_mistake": len(named),
-            "first_hint_rate": round(len(named) / max(len(mistakes), 1), 3),
+            "first_hint_rate": round(len(named) / max(len(mistakes) - classes["to judge"], 1), 3),
             "false_pass_cases": false_pass, "false_fail_cases": false_fail,
             "misnamed_cases": [f"{r['case']}: {r['diagnosis']} ({r['first_rung']}; expected {r['expect']})" for r in mistakes
-                               if not r["right"] and r["status"] != "pass"]}
+                               if not r["right"] and r["status"] != "pass" and r["first_rung"] != "to judge"]}
 
 
 def main(argv=None) -> dict:
@@ -102,7 +111,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--jobs", type=positive_int, default=2, help="checks at a time (each launches 2 processes)")
     parser.add_argument("--repeat", type=positive_int, default=1, help="runs of every case (stability)")
     parser.add_argument("--only", nargs="+", metavar="EXERCISE", help="only these exercises' cases (e.g. 4 6a 9)")
-    parser.add_argument("--group", nargs="+", choices=("older", "rungs", "held-out"),
+    parser.add_argument("--group", nargs="+", choices=("older", "rungs", "held-out", "held-out-55"),
                         help="only these groups of cases (Case.group; older: the set before issue 44)")
     parser.add_argument("--case", nargs="+", metavar="ID", help="only these cases (e.g. '2/a typo')")
     parser.add_argument("--timeout", type=positive_int, default=LAUNCH_TIMEOUT_S,
@@ -146,7 +155,7 @@ def main(argv=None) -> dict:
     for key, r in [*per_exercise.items(), *((f"[{g}]", r) for g, r in per_group.items())]:
         print(f"{key:>8}  {r['mistakes']:>8}  {r['first_hint_names_mistake']:>10} ({r['first_hint_rate']:.0%})"
               f"{'':>3}  {r['first_rung']['generic']:>7}  {r['first_rung']['misleading']:>10}  {r['false_pass']:>10}  "
-              f"{r['false_fail']:>10}")
+              f"{r['false_fail']:>10}" + (f"  ({r['first_rung']['to judge']} to judge)" if r['first_rung']['to judge'] else ""))
     print(f"all: false PASS {total['false_pass']}/{total['mistakes']}, false FAIL {total['false_fail']}/"
           f"{total['correct_alternatives']}, first hint names the mistake {total['first_hint_names_mistake']}/"
           f"{total['mistakes']} ({total['first_hint_rate']:.0%}); check wall time median "
@@ -154,6 +163,9 @@ def main(argv=None) -> dict:
           + (f"; diagnosis changed between runs: {', '.join(unstable)}" if unstable else ""))
     for line in total["false_pass_cases"] + total["false_fail_cases"] + total["misnamed_cases"]:
         print(f"  wrong: {line}")
+    for r in first:
+        if r["first_rung"] == "to judge":
+            print(f"  to judge: {r['case']} ({r['diagnosis']}): {r['first_hint'][:300]}")
     return log.finish(**metrics)
 
 
