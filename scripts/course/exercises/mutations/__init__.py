@@ -73,9 +73,9 @@ def mutate(key: str, *edits: tuple[str, str]) -> str:
 
 
 def _cases() -> list[Case]:
-    from course.exercises.mutations import core, deep, heldout, parallel, rungs
+    from course.exercises.mutations import core, deep, heldout, heldout55, parallel, rungs
 
-    return [*core.CASES, *deep.CASES, *parallel.CASES, *rungs.CASES, *heldout.CASES]
+    return [*core.CASES, *deep.CASES, *parallel.CASES, *rungs.CASES, *heldout.CASES, *heldout55.CASES]
 
 
 CASES: list[Case] = _cases()
