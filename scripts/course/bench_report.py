@@ -52,6 +52,7 @@ def _checker(m: dict) -> dict:
             "correct": m["correct_alternatives"], "false_pass": m["false_pass"], "false_fail": m["false_fail"],
             "named": m["first_hint_names_mistake"], "generic": m["first_rung"]["generic"],
             "misleading": m["first_rung"]["misleading"], "groups": groups, "jobs": m.get("jobs"),
+            **({"to_judge": m["first_rung"]["to judge"]} if m["first_rung"].get("to judge") else {}),
             "repeat": m["repeat"], "unstable": len(m["unstable_cases"]), "check_s_median": m["check_seconds_median"],
             "check_s_max": m["check_seconds_max"], "processes_left": m["processes_left"]}
 
@@ -210,17 +211,20 @@ def doctor_cost(f: dict) -> str:
 
 
 GROUPS = {"older": "the first set", "rungs": "the kinds of mistake the hint rules were written for",
-          "held-out": "the same kinds, written before those rules and never used to write them"}
+          "held-out": "the same kinds, written before those rules and never used to write them",
+          "held-out-55": "issue 55's held-out set, judged by reading (below)"}
 
 
 def checker(f: dict) -> str:
     c = f.get("checker")
     if not c:
         return NOT_RUN
-    groups = "; ".join(f"{GROUPS.get(g, g)}, {_of(r['named'], r['mistakes'])}" for g, r in c["groups"].items())
+    groups = "; ".join(f"{GROUPS.get(g, g)}, " + (f"{r['mistakes']} first hints recorded" if r.get("to judge") else
+                                                   _of(r['named'], r['mistakes'])) for g, r in c["groups"].items())
+    judged = c["mistakes"] - c.get("to_judge", 0)  # the wrong solutions that declare the mistake they are
     return (f"Over {c['cases']} cases ({c['mistakes']} wrong solutions, {c['correct']} correct alternatives), "
             f"{c['repeat']} run(s) each, {c['jobs']} checks at a time: {c['false_pass']} false PASS, "
-            f"{c['false_fail']} false FAIL; the first hint named the mistake for {_of(c['named'], c['mistakes'])} "
+            f"{c['false_fail']} false FAIL; the first hint named the mistake for {_of(c['named'], judged)} "
             f"({c['generic']} generic, {c['misleading']} misleading), by group: {groups}. "
             f"{c['unstable']} case(s) changed diagnosis between runs; {c['processes_left']} process(es) left behind. "
             f"A check took {c['check_s_median']:g} s median, {c['check_s_max']:g} s at most. Measured on {_when(c)}.")
