@@ -81,9 +81,8 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
     earlier = max((rec.get("worlds", []) for rec in records.values()), key=len, default=[])
     if earlier:  # the recorder started each rank's record afresh at every process group after the first
         facts.unchecked.append(
-            f"the first {len(earlier)} of the {len(earlier) + 1} process groups the script made one after another "
-            f"(the first at {earlier[0].get('where') or '?'}): the checks are of the last one alone, so that no rule "
-            "compares what different worlds did")
+            f"the first {len(earlier)} of the {len(earlier) + 1} process groups the script made one after another (the "
+            f"first at {earlier[0].get('where') or '?'}): the checks are of the last one alone (no rule compares worlds)")
     if complete and rules_sync.process_group(records, facts):
         facts.model_parallel = rules_sync.model_parallel(records)
         rules_sync.devices(records, facts)
