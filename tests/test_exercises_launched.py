@@ -125,6 +125,7 @@ def test_the_set_covers_every_class_of_checker_error():
     """Issue 34: each class of wrong verdict the checker made has mistakes (and alternatives) of its own here."""
     classes = {c.cls for c in TESTED}  # every class in the tests, the rest of the set in the benchmark
     assert {"false-pass", "false-fail", "averaged", "crash", "shape", "splits", "own-hint", "race"} <= classes
+    assert len({c.id for c in CASES}) == len(CASES), "a case id twice: the benchmark keys its runs by id"
     per_exercise = {key: [c for c in CASES if c.key[0] == key] for key in "123456789"}
     assert all(sum(not c.correct for c in cases) >= 6 and any(c.correct for c in cases)
                for cases in per_exercise.values()), {k: len(v) for k, v in per_exercise.items()}

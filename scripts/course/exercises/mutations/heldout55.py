@@ -65,7 +65,7 @@ EX2 = [
            "        optimizer.step()\n        average_gradients(model, world_size)\n"),), group=H),
     # The parameters are averaged instead of the gradients: they are already equal, and each rank then steps
     # with its own gradient, so the copies drift apart.
-    Case("2", "parameters averaged instead of gradients", "unknown",
+    Case("2", "parameters averaged, not the gradients", "unknown",
          ((_SUM_THEN_DIVIDE, "        dist.all_reduce(p.data)  # average the copies\n        p.data /= world_size\n"),),
          group=H),
     # all_reduce(p.grad / world_size) reduces a temporary: p.grad itself is never changed, each rank keeps
@@ -157,7 +157,7 @@ EX5 = [
            "        for p in mine:\n            dist.broadcast(p.data, src=rank)\n"),), group=H),
     # The parameters are broadcast before optimizer.step(): the owners send the old values, then update
     # only their own copy, so the ranks differ after every step.
-    Case("5", "broadcast before the step", "unknown",
+    Case("5", "owners broadcast before their step", "unknown",
          (("        optimizer.step()  # updates this rank's parameters only\n", ""),
           ("            dist.broadcast(p.data, src=owner[p])\n",
            ("            dist.broadcast(p.data, src=owner[p])\n"
@@ -218,7 +218,7 @@ EX6B = [
 EX6C = [
     # The loss divided by accum and again by the world size ("DDP sums the ranks"): DDP already averages,
     # so every step is world_size times too small.
-    Case("6c", "divided by the world size too", "unknown",
+    Case("6c", "loss divided by accumulation and world size", "unknown",
          (("(loss / args.accum).backward()", "(loss / (args.accum * dist.get_world_size())).backward()"),),
          group=H),
     # no_sync on the last micro-batch instead of the others: the earlier micro-batches are all-reduced, the
@@ -301,7 +301,7 @@ _COMBINE = "back = all_to_all_single(done, send_splits, recv_splits, dist.group.
 EX9 = [
     # bincount without minlength: when no token of a rank goes to the last expert (the check's small token
     # counts), the counts have fewer than world_size entries and the count exchange fails.
-    Case("9", "counts without minlength", "unknown",
+    Case("9", "bincount without minlength", "unknown",
          (("torch.bincount(expert, minlength=world_size)", "torch.bincount(expert)"),), group=H),
     # The counts turned into a list right away: torch.empty_like(send) gets a list and raises TypeError.
     Case("9", "counts as a list", "unknown",
