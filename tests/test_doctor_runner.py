@@ -22,9 +22,11 @@ from ddp_doctor.running import Job, Run, _put_back, style
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor_runner"
 
 PROBE = '''
-import json, sys, warnings
+import json, os, sys, time, warnings
 sys.path.insert(0, {folder!r})
+os.environ.update(LOCAL_RANK="1", NCCL_DEBUG="INFO", NCCL_SOCKET_IFNAME="eth0")
 import torch
+import torch.distributed as dist
 import recorder_standin
 
 record = {{}}
@@ -36,33 +38,88 @@ def where():
     return f"probe:{{frame.f_lineno}}" if frame else ""
 
 recorder_standin.install(record, where, pretend={pretend}, gpus=2)
+x = torch.ones(2)
+
+
+def timed():
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        start.record()
+        time.sleep(0.05)
+        end.record()
+    torch.cuda.current_stream().synchronize()
+    torch.cuda.default_stream().wait_stream(torch.cuda.current_stream())
+    return start.elapsed_time(end)
+
+
+def load():
+    torch.save({{"w": torch.ones(1)}}, sys.argv[1])
+    return torch.load(sys.argv[1], map_location="cuda:0")["w"].device.type
+
+
+def groups():
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.barrier(device_ids=[0])
+    return [dist.get_backend(), dist.new_group(backend="nccl") is not None]
+
+
+def sync_bn():
+    bn = torch.nn.SyncBatchNorm(3).cuda()
+    return [torch.nn.parallel.DistributedDataParallel(bn, device_ids=[0]).module(torch.randn(4, 3)).shape[0],
+            hasattr(torch.nn.SyncBatchNorm.forward, "__wrapped__")]
+
+
+def amp():
+    with torch.autocast("cuda", dtype=torch.float16):
+        enabled = torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+    return [enabled, torch.amp.GradScaler("cuda").is_enabled(), torch.cuda.amp.GradScaler().is_enabled()]
+
+
+def loader():
+    data = torch.utils.data.TensorDataset(torch.ones(4, 2))
+    return next(iter(torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True)))[0].is_pinned()
+
+
+PROBES = {{
+    "available": lambda: [torch.cuda.is_available(), torch.cuda.is_bf16_supported(), torch.backends.cudnn.is_available()],
+    "count": lambda: [torch.cuda.device_count(), torch.accelerator.device_count()],
+    "current": lambda: [torch.cuda.current_device(), torch.accelerator.current_device_index()],
+    "accelerator": lambda: [torch.accelerator.is_available(), str(torch.accelerator.current_accelerator())],
+    "properties": lambda: [torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory > 0,
+                           list(torch.cuda.get_device_capability())],
+    "memory_info": lambda: [torch.cuda.mem_get_info()[1] > 0, torch.cuda.utilization()],
+    "no_op": lambda: [torch.cuda.set_device(1), torch.cuda.synchronize(), torch.cuda.empty_cache(),
+                      torch.cuda.ipc_collect(), torch.accelerator.set_device_index(1), torch.accelerator.synchronize(),
+                      torch.cuda.device(1).__enter__()],
+    "memory_stats": lambda: [torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(),
+                             torch.cuda.reset_peak_memory_stats(), "stand-in" in torch.cuda.memory_summary()],
+    "streams": lambda: 40 <= timed() < 5000,
+    "devices": lambda: sorted({{t.device.type for t in (
+        torch.zeros(2, device="cuda"), x.to(0), x.to("cuda:1", non_blocking=True), x.to(torch.device("cuda", 0)),
+        x.to(device="cuda"), x.to(torch.device("cuda")), x.cuda(),
+        next(torch.nn.Linear(2, 2).to(1).parameters()), next(torch.nn.Linear(2, 2).cuda().parameters()))}}),
+    "pinned": lambda: [x.pin_memory().device.type, x.cuda(non_blocking=True).device.type, loader()],
+    "cudnn": lambda: [setattr(torch.backends.cudnn, "benchmark", True), setattr(torch.backends.cudnn, "deterministic", True),
+                      setattr(torch.backends.cudnn, "allow_tf32", True), torch.backends.cudnn.benchmark],
+    "amp": amp,
+    "groups": groups,
+    "ddp": lambda: next(torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2).cuda(), device_ids=[0],
+                                                                  output_device=0).parameters()).device.type,
+    "sync_bn": sync_bn,
+    "load": load,
+    "nccl_env": lambda: sorted(k for k in os.environ if k.startswith("NCCL_")),
+}}
+assert PROBES.keys() == recorder_standin.INVENTORY.keys(), set(PROBES) ^ set(recorder_standin.INVENTORY)
 seen = {{}}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    seen["factory"] = torch.zeros(2, device="cuda").device.type
-    x = torch.ones(2)
-    seen["to_int"] = x.to(0).device.type
-    seen["to_str"] = x.to("cuda:1", non_blocking=True).device.type
-    seen["to_device"] = x.to(torch.device("cuda", 0)).device.type
-    seen["to_kwarg"] = x.to(device="cuda").device.type
-    seen["cuda"] = x.cuda().device.type
-    seen["pinned"] = x.pin_memory().device.type
-    seen["module"] = next(torch.nn.Linear(2, 2).to(1).parameters()).device.type
-    seen["module_cuda"] = next(torch.nn.Linear(2, 2).cuda().parameters()).device.type
-    seen["available"] = torch.cuda.is_available()
-    seen["count"] = torch.cuda.device_count()
-    seen["accelerator"] = [torch.accelerator.is_available(), torch.accelerator.device_count(),
-                           str(torch.accelerator.current_accelerator()), torch.backends.cudnn.is_available()]
+    for name, probe in PROBES.items():
+        try:
+            seen[name] = probe()
+        except Exception as error:
+            seen[name] = f"{{type(error).__name__}}: {{error}}"
     seen["torch_sees"] = not torch.cuda.amp.common.amp_definitely_not_available()
-    torch.cuda.set_device(1)
-    torch.cuda.synchronize()
-    seen["memory"] = torch.cuda.max_memory_allocated()
-    with torch.autocast("cuda", dtype=torch.float16):
-        seen["autocast"] = torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
-    seen["scaler"] = torch.amp.GradScaler("cuda").is_enabled() or torch.cuda.amp.GradScaler().is_enabled()
-    torch.save({{"w": torch.ones(1)}}, sys.argv[1])
-    seen["load"] = torch.load(sys.argv[1], map_location="cuda:0")["w"].device.type
-seen["warnings"] = [str(w.message) for w in caught if "cuda" in str(w.message).lower()]
+seen["warnings"] = [str(w.message) for w in caught if "cuda" in str(w.message).lower() or "pin" in str(w.message)]
 seen["sites"] = record.get("standin", [])
 print(json.dumps(seen))
 '''
@@ -77,25 +134,30 @@ def _probe(tmp_path, pretend: bool) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def test_the_cpu_standin_turns_every_cuda_call_into_the_cpu(tmp_path):
+def test_the_cpu_standin_answers_its_whole_inventory(tmp_path):
+    """Issue 54 item 2: every entry of the stand-in's inventory (recorder_standin.INVENTORY) asked as a CUDA script
+    asks it, pretending 2 GPUs on a node, as local rank 1: consistent answers, every tensor on the CPU, no warning.
+    SyncBatchNorm's statistics over 2 ranks: the doctor case published-guard-syncbn (tests/test_doctor.py)."""
     seen = _probe(tmp_path, pretend=True)
-    for key in ("factory", "to_int", "to_str", "to_device", "to_kwarg", "cuda", "pinned", "module", "module_cuda",
-                "load"):
-        assert seen[key] == "cpu", (key, seen)
-    assert seen["available"] is True and seen["count"] == 2, seen  # the script's own questions: a GPU machine
-    assert seen["accelerator"] == [True, 2, "cuda", True], seen  # torch.accelerator answers the same (issue 54)
+    assert seen["available"] == [True, True, True] and seen["count"] == [2, 2], seen
+    assert seen["current"] == [1, 1] and seen["accelerator"] == [True, "cuda"], seen  # LOCAL_RANK, of 2
+    assert seen["properties"] == ["CPU (the doctor's stand-in)", True, [8, 0]], seen
+    assert seen["memory_info"] == [True, 0] and seen["no_op"] == [None] * 7, seen
+    assert seen["memory_stats"] == [0, 0, None, True] and seen["streams"] is True, seen  # events time the CPU
+    assert seen["devices"] == ["cpu"] and seen["pinned"] == ["cpu", "cpu", False], seen
+    assert seen["cudnn"] == [None, None, None, True] and seen["amp"] == [False, False, False], seen
+    assert seen["groups"] == ["gloo", True] and seen["ddp"] == "cpu" and seen["sync_bn"] == [4, True], seen
+    assert seen["load"] == "cpu" and seen["nccl_env"] == ["NCCL_DEBUG", "NCCL_SOCKET_IFNAME"], seen
     assert seen["torch_sees"] is False, seen  # torch's internals still see the CPU
-    assert seen["memory"] == 0 and seen["autocast"] is False and seen["scaler"] is False, seen
     assert seen["warnings"] == [], seen  # disabled as on a CPU, without a warning per call
     # one site per line of the probe that was redirected, each once
-    assert len(seen["sites"]) == len(set(seen["sites"])) >= 15, seen["sites"]
+    assert len(seen["sites"]) == len(set(seen["sites"])) >= 25, seen["sites"]
 
 
 def test_without_pretending_the_script_is_told_the_truth(tmp_path):
     seen = _probe(tmp_path, pretend=False)
-    assert seen["available"] is False and seen["count"] == 0, seen
-    assert seen["accelerator"][:2] == [False, 0], seen
-    assert seen["to_int"] == "cpu", seen
+    assert seen["available"][0] is False and seen["count"] == [0, 0], seen
+    assert seen["accelerator"][0] is False and seen["devices"] == ["cpu"], seen
 
 
 def test_the_launch_style_and_the_standin_are_read_from_the_code(tmp_path):

@@ -14,13 +14,40 @@ Built on PyTorch's own interposition points, installed in each process before th
   node would have and ``current_accelerator()`` CUDA, for the script's own calls only (torch's internals still see
   the CPU);
 - ``SyncBatchNorm`` on the CPU all-reduces its batch statistics over the group as it does on GPUs.
-Each redirected call's place in the script (``file:line``) is added to ``record["standin"]``.
+Each redirected call's place in the script (``file:line``) is added to ``record["standin"]``. ``INVENTORY`` lists
+what a CUDA-written script may ask and what it is told here (tests/test_doctor_runner.py walks it).
 """
 
 import inspect
 import os
 import sys
 import warnings
+
+# What a script written for CUDA may ask, and its answer here ("pretend": only when pretending GPUs, else the truth):
+# {id: (the calls, the answer)}.
+INVENTORY = {
+    "available": ("torch.cuda.is_available / is_bf16_supported, torch.backends.cudnn.is_available", "True (pretend)"),
+    "count": ("torch.cuda.device_count, torch.accelerator.device_count", "the GPUs of a node (pretend)"),
+    "current": ("torch.cuda.current_device, torch.accelerator.current_device_index", "LOCAL_RANK (pretend)"),
+    "accelerator": ("torch.accelerator.is_available / current_accelerator", "True, cuda (pretend)"),
+    "properties": ("torch.cuda.get_device_name / get_device_properties / get_device_capability",
+                   "the stand-in, 8.0 (pretend)"),
+    "memory_info": ("torch.cuda.mem_get_info / utilization", "this machine's memory, 0 % (pretend)"),
+    "no_op": (("torch.cuda.set_device / synchronize / empty_cache / ipc_collect / device(i), "
+              "torch.accelerator.set_device_index / synchronize"), "nothing to do"),
+    "memory_stats": ("torch.cuda.memory_allocated, max_..., reserved, reset_..., memory_summary", "0"),
+    "streams": ("torch.cuda.Stream / current_stream / default_stream / stream(s) / Event",
+                "in order on the CPU; events time the wall clock"),
+    "devices": ("device='cuda' / 'cuda:i' / i / torch.device('cuda'), .to(...), .cuda(), Module.to / .cuda", "the CPU"),
+    "pinned": ("pin_memory(), DataLoader(pin_memory=True), non_blocking=True", "unpinned CPU tensors"),
+    "cudnn": ("torch.backends.cudnn.benchmark / deterministic / allow_tf32", "set, unused on a CPU"),
+    "amp": ("torch.autocast('cuda'), GradScaler('cuda'), torch.cuda.amp's", "disabled, as on a CPU"),
+    "groups": ("init_process_group / new_group('nccl', device_id=...), barrier(device_ids=...)", "gloo, no device"),
+    "ddp": ("DDP(device_ids=..., output_device=...)", "a CPU module"),
+    "sync_bn": ("SyncBatchNorm", "statistics all-reduced over the group on the CPU"),
+    "load": ("torch.load(map_location='cuda...')", "the CPU"),
+    "nccl_env": ("NCCL_* environment variables", "unread: gloo carries the collectives"),
+}
 
 
 def _cuda(device) -> bool:
@@ -37,6 +64,7 @@ def _cuda(device) -> bool:
 
 
 def install(record: dict, where, pretend: bool, gpus: int) -> None:
+    import recorder_standin_parts as parts  # this file's folder is on sys.path: a sibling by its plain name
     import torch
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
@@ -113,7 +141,15 @@ def install(record: dict, where, pretend: bool, gpus: int) -> None:
     for name in ("set_device_index", "synchronize"):  # nothing to do on the pretended GPUs
         replace(accel, name, lambda real: answer(None, real))
     replace(torch.backends.cudnn, "is_available", lambda real: answer(True, real))
-    _cpu_sync_batch_norm(torch, note)
+    replace(torch.cuda, "get_device_properties", lambda real: answer(parts.properties, real))
+    replace(torch.cuda, "get_device_capability", lambda real: answer((8, 0), real))
+    replace(torch.cuda, "mem_get_info", lambda real: answer(lambda: (parts.memory(),) * 2, real))
+    replace(torch.cuda, "utilization", lambda real: answer(0, real))
+    for name in ("ipc_collect",):
+        replace(torch.cuda, name, nothing())
+    replace(torch.cuda, "memory_summary", nothing("(no CUDA memory: the doctor's CPU stand-in)"))
+    parts.streams(torch, note)
+    parts.sync_batch_norm(torch, note)
 
     def backend(value):
         if value is not None and "nccl" in str(value).lower():
@@ -198,69 +234,3 @@ def _quietly(note, real, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return real(*args, **kwargs)
-
-
-def _cpu_sync_batch_norm(torch, note) -> None:
-    """SyncBatchNorm on CPU tensors, as on GPUs: the batch statistics all-reduced over the group (autograd through
-    the all-reduce), so that every rank normalises over the samples of all ranks. torch 2.14's SyncBatchNorm
-    refuses CPU input in training ("expected input tensor to be on GPU")."""
-    import torch.distributed as dist
-
-    def all_reduce(tensor, group):  # unrecorded: torch's own work on GPUs (NCCL inside the layer), not the script's
-        reduce = dist.all_reduce
-        while hasattr(reduce, "__wrapped__"):
-            reduce = reduce.__wrapped__
-        reduce(tensor, group=group)
-
-    class SumOverRanks(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, tensor, group):
-            ctx.group = group
-            tensor = tensor.clone()
-            all_reduce(tensor, group)
-            return tensor
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.clone()
-            all_reduce(grad, ctx.group)
-            return grad, None
-
-    cls = torch.nn.SyncBatchNorm
-    original = cls.forward
-
-    def forward(self, input):
-        if input.device.type != "cpu" or not (self.training and dist.is_available() and dist.is_initialized()):
-            return original(self, input)
-        group = self.process_group or dist.group.WORLD
-        if dist.get_world_size(group) == 1:
-            return original(self, input)
-        note()
-        c, dims = input.size(1), [0, *range(2, input.dim())]
-        count = torch.tensor([input.numel() // c], dtype=input.dtype)
-        total_stats = SumOverRanks.apply(torch.cat([input.sum(dims), (input * input).sum(dims), count]), group)
-        total = total_stats[-1]
-        mean, var = total_stats[:c] / total, total_stats[c:2 * c] / total - (total_stats[:c] / total) ** 2
-        if self.track_running_stats and self.running_mean is not None:
-            with torch.no_grad():
-                self.num_batches_tracked += 1
-                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-                self.running_mean.mul_(1 - momentum).add_(mean.detach() * momentum)
-                self.running_var.mul_(1 - momentum).add_(var.detach() * (total / (total - 1)) * momentum)
-        shape = [1, c] + [1] * (input.dim() - 2)
-        out = (input - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + self.eps)
-        return out * self.weight.reshape(shape) + self.bias.reshape(shape) if self.affine else out
-
-    forward.__wrapped__ = original
-    cls.forward = forward
-    ddp = torch.nn.parallel.DistributedDataParallel
-    refuse = ddp._passing_sync_batchnorm_handle  # DDP refuses SyncBatchNorm in a CPU module: allowed, as above
-
-    def allow(self, module):
-        if self.device_type == "cpu" and any(isinstance(m, cls) for m in module.modules()):
-            note()
-            return None
-        return refuse(self, module)
-
-    allow.__wrapped__ = refuse
-    ddp._passing_sync_batchnorm_handle = allow
