@@ -164,6 +164,30 @@ def test_padding_to_equal_shards_is_not_overlap():
     assert codes == ["shard-overlap"] and "20 samples" in facts.findings[0].evidence
 
 
+def test_an_evaluation_pass_is_known_by_no_optimizer_step_in_it():
+    """Issue 54 item 5: a test loader whose batch function turns gradients off inside (not around the loop) is
+    evaluation, known by no optimizer step between its start and its end: its order, the same every epoch, is not
+    set-epoch. The same passes with a step inside are training, and are."""
+    from ddp_doctor.recorder import recorder_training
+
+    assert rules_data.RECORDED_STEPS == recorder_training.MAX_STEPS
+    dist = {"epoch": 0, "seed": 0, "shuffle": True, "drop_last": False, "num_replicas": 2, "total_size": 40}
+
+    def rank(r, test_steps=()):
+        own = {**dist, "rank": r}
+        train = [_pass(range(r + e, 80 + e, 2), 80, distributed=own, t=10.0 * e, end=10.0 * e + 5) for e in (0, 1)]
+        test = [_pass(range(r, 40, 2), 40, distributed=own, loader=2, t=10.0 * e + 6, end=10.0 * e + 8) for e in (0, 1)]
+        steps = [10.0 * e + k for e in (0, 1) for k in (1, 2, 3)] + list(test_steps)
+        return {"loaders": [train[0], test[0], train[1], test[1]], "grads": [{"t": t} for t in sorted(steps)],
+                "env": {"RANK": str(r), "LOCAL_RANK": "0"}}
+
+    facts, codes = _codes(rules_data.epoch_order, {r: rank(r) for r in (0, 1)})
+    assert codes == [] and "sample order from epoch to epoch" in facts.checked, (codes, facts.checked)
+    assert [p["loader"] for p in rules_data.passes(rank(0), False)] == [2, 2]
+    trained = {r: rank(r, test_steps=(7.0, 17.0)) for r in (0, 1)}  # a step inside each test pass: training
+    assert _codes(rules_data.epoch_order, trained)[1] == ["set-epoch"]
+
+
 def test_overlap_from_a_split_or_data_of_each_rank_names_that_cause():
     """random_split drawn on every rank: the Subsets differ (validation leaks into training); data drawn at random
     on every rank: the tensors differ. Neither advises sampler arguments."""

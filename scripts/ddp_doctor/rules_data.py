@@ -12,6 +12,7 @@ from collections import Counter
 from ddp_doctor.report import COST, Finding
 
 SHUFFLED = ("DistributedSampler", "RandomSampler")
+RECORDED_STEPS = 40  # the recorder fingerprints the first 40 optimizer steps (recorder_training.MAX_STEPS)
 
 
 def _first(indices, n=5) -> str:
@@ -19,7 +20,26 @@ def _first(indices, n=5) -> str:
 
 
 def passes(rec: dict, train: bool) -> list:
-    return [p for p in rec.get("loaders", []) if p["train"] == train]
+    """A rank's training (or evaluation) passes over its DataLoaders, in order."""
+    stepped = _stepped(rec)
+    return [p for p in rec.get("loaders", []) if (p["train"] and id(p) in stepped) == train]
+
+
+def _stepped(rec: dict) -> set:
+    """ids of the passes that trained: gradients on at their start and an optimizer step between their start and
+    their end (or the next pass of their loader). A pass with gradients on but no step in it evaluated: a script
+    may turn gradients off inside its batch function, not around the loop. Where no step was recorded in any such
+    pass (none at all, or accumulation longer than the passes), gradients on is enough."""
+    on = [p for p in rec.get("loaders", []) if p["train"]]
+    steps = [g["t"] for g in rec.get("grads", [])]
+
+    def end(p):
+        later = (q["t"] for q in rec["loaders"] if q["loader"] == p["loader"] and q["t"] > p["t"])
+        return p.get("end") or next(later, float("inf"))
+
+    stepped = {id(p) for p in on if any(p["t"] <= t <= end(p) for t in steps)
+               or p.get("step", 0) >= len(steps) >= RECORDED_STEPS}  # past the recorded steps: unknown, as before
+    return stepped or {id(p) for p in on}
 
 
 def by_loader(rec: dict, train: bool) -> list:
@@ -261,7 +281,7 @@ def evaluation(records: dict, facts) -> None:
 
 
 def _next_start(rec: dict, p: dict) -> float | None:
-    later = [q["t"] for q in rec.get("loaders", []) if q["train"] and q["t"] > p["t"]]
+    later = [q["t"] for q in passes(rec, True) if q["t"] > p["t"]]
     return min(later) if later else None
 
 
