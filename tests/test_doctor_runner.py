@@ -489,9 +489,10 @@ world(2, 0.2)
 
 
 def test_each_world_is_recorded_on_its_own(tmp_path):
-    """Issue 54 item 4: a script that makes a process group, destroys it and makes another has the first world
-    summarised in ``worlds`` and the record of the last one alone (its steps, collectives, models); the report
-    says how many worlds there were and that the checks are of the last (records built by hand: two ranks)."""
+    """Issue 54 item 4: a script that makes a process group, destroys it and makes another has the first world's
+    facts kept in ``worlds`` and the record of the last one alone (its steps, collectives, models); each world is
+    checked on its own, and a mistake of the first is told as found there (records built by hand: two ranks whose
+    gradients differ in the first world only)."""
     proc, out = _recorded(TWO_WORLDS, tmp_path, COURSE_RECORD_TRAINING="1")
     proc.communicate(timeout=120)
     record = json.loads((out / "record_rank0.json").read_text())
@@ -501,7 +502,20 @@ def test_each_world_is_recorded_on_its_own(tmp_path):
     from ddp_doctor.doctor import diagnose
 
     records = {r: {**record, "env": {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "GROUP_RANK": str(r)},
-                   "rank": r, "pg": {**record["pg"], "rank": r, "world_size": 2}} for r in (0, 1)}
+                   "rank": r, "pg": {**record["pg"], "rank": r, "world_size": 2},
+                   "worlds": [{**w, "pg": {**w["pg"], "rank": r, "world_size": 2}} for w in record["worlds"]]}
+               for r in (0, 1)}
     report = diagnose(Run(Job(tmp_path / "script.py", [], nproc=2, nodes=2, cwd=tmp_path), 0, "", records, {}, 1.0))
-    assert any(u.startswith("the first 1 of the 2 process groups the script made one after another (the first at ")
-               for u in report.unchecked), report.text()
+    same = {f.code for f in report.findings}  # the hand-made ranks' own (both worlds: rank=0 given, same data)
+    assert any(c.startswith("each of the 2 process groups the script made one after another on its own (the first "
+                            "at ") for c in report.checked), report.text()
+    assert "grads-not-averaged" not in same and len(record["worlds"][0]["facts"]["grads"]) == 3, report.text()
+    other = json.loads(json.dumps(records[1]))
+    for grad in other["worlds"][0]["facts"]["grads"]:
+        grad["fp"] = [[v + 1.0 for v in fp] if fp else fp for fp in grad["fp"]]
+    report = diagnose(Run(Job(tmp_path / "script.py", [], nproc=2, nodes=2, cwd=tmp_path), 0, "",
+                          {0: records[0], 1: other}, {}, 1.0))
+    found = {f.code: f for f in report.findings}
+    assert set(found) == same | {"grads-not-averaged"}, report.text()
+    assert found["grads-not-averaged"].evidence.startswith("in process group 1 of 2: before optimizer step 0"), \
+        report.text()

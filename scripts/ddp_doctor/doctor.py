@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddp_doctor import rules_data, rules_ddp, rules_files, rules_sync
+from ddp_doctor import rules_data, rules_ddp, rules_files, rules_sync, worlds
 from ddp_doctor.report import COST, Finding, Report, in_notebook
 from ddp_doctor.running import Job, Run, run
 from ddp_doctor.unchecked import nothing_checked, own_failure, still_running
@@ -77,33 +77,8 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
     if len(records) < job.nproc and run.returncode in (0, None):
         report.error = f"the script ended before every rank recorded anything ({len(records)} of {job.nproc})"
     hung = rules_sync.hangs(run, facts)
-    complete = len(records) == job.nproc  # rules that compare ranks need every rank's record
-    earlier = max((rec.get("worlds", []) for rec in records.values()), key=len, default=[])
-    if earlier:  # the recorder started each rank's record afresh at every process group after the first
-        facts.unchecked.append(
-            f"the first {len(earlier)} of the {len(earlier) + 1} process groups the script made one after another (the "
-            f"first at {earlier[0].get('where') or '?'}): the checks are of the last one alone (no rule compares worlds)")
-    if complete and rules_sync.process_group(records, facts):
-        facts.model_parallel = rules_sync.model_parallel(records)
-        rules_sync.devices(records, facts)
-        if facts.model_parallel:
-            facts.unchecked.append(f"replicas, gradients and the data split: the ranks' models are not replicas "
-                                   f"({facts.model_parallel})")
-        elif rules_sync.sharded(records):
-            facts.unchecked.append("replicas and gradients: each rank holds a shard of the parameters (FSDP)")
-            rules_data.sharding(records, facts)
-        else:
-            rules_data.sharding(records, facts)
-            rules_sync.gradients(records, facts)
-            rules_sync.replicas(records, facts)
-        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_ddp.eval_through_ddp,
-                     rules_ddp.accumulation, rules_ddp.ddp_settings, rules_data.oversubscribed):
-            rule(records, facts)
-    elif records and any(rec.get("pg") for rec in records.values()):  # a rank left no record: what one rank shows
-        lost = sorted(set(range(job.nproc)) - set(records))
-        facts.unchecked.append(f"what compares the ranks (rank {', '.join(map(str, lost))} left no record)")
-        for rule in (rules_data.epoch_order, rules_ddp.accumulation, rules_ddp.ddp_settings):
-            rule(records, facts)
+    worlds.check_earlier(records, job.nproc, _world_rules, facts)  # process groups made before the last one
+    _world_rules(records, facts, job.nproc)
     if records:
         rules_files.writes(records, facts)
         rules_files.handoffs(records, facts)
@@ -124,6 +99,31 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
         report.files = (f"your folders are as before: {len(run.restored)} overwritten file(s) restored, "
                         f"{len(run.moved)} new file(s) moved to {moved_to}")
     return report
+
+
+def _world_rules(records: dict, facts: Facts, nproc: int) -> None:
+    """Every rule of one world (one process group) on its ranks' records."""
+    if len(records) == nproc and rules_sync.process_group(records, facts):  # rules that compare ranks: every rank
+        facts.model_parallel = rules_sync.model_parallel(records)
+        rules_sync.devices(records, facts)
+        if facts.model_parallel:
+            facts.unchecked.append(f"replicas, gradients and the data split: the ranks' models are not replicas "
+                                   f"({facts.model_parallel})")
+        elif rules_sync.sharded(records):
+            facts.unchecked.append("replicas and gradients: each rank holds a shard of the parameters (FSDP)")
+            rules_data.sharding(records, facts)
+        else:
+            rules_data.sharding(records, facts)
+            rules_sync.gradients(records, facts)
+            rules_sync.replicas(records, facts)
+        for rule in (rules_data.epoch_order, rules_data.uneven, rules_data.evaluation, rules_ddp.eval_through_ddp,
+                     rules_ddp.accumulation, rules_ddp.ddp_settings, rules_data.oversubscribed):
+            rule(records, facts)
+    elif records and any(rec.get("pg") for rec in records.values()):  # a rank left no record: what one rank shows
+        lost = sorted(set(range(nproc)) - set(records))
+        facts.unchecked.append(f"what compares the ranks (rank {', '.join(map(str, lost))} left no record)")
+        for rule in (rules_data.epoch_order, rules_ddp.accumulation, rules_ddp.ddp_settings):
+            rule(records, facts)
 
 
 def _source(script: Path) -> str:

@@ -134,16 +134,18 @@ def _said(out: str) -> set:
 
 
 # What one world (one process group, from init_process_group to the next) did: a second group made after the
-# first starts them afresh, so that no rule compares records of different worlds (issue 54 item 4).
+# first starts them afresh and keeps the first's in ``worlds``, so that each world is checked on its own and no rule
+# compares records of different worlds (issue 54 item 4).
 WORLD_KEYS = ("collectives", "backward", "grad_ready", "steps", "samplers", "modules", "params", "forwards", "grads",
               "losses", "loaders", "ddp", "ddp_eval", "no_sync", "join")
 
 
 def _new_world(record: dict, reset=None) -> None:
-    """The world so far, summarised in ``worlds``; its facts emptied (``reset``: the training recorder's too)."""
+    """The world so far moved to ``worlds``; its facts emptied (``reset``: the training recorder's too)."""
     pg = record.get("pg") or {}
     record.setdefault("worlds", []).append({"where": pg.get("where"), "world_size": pg.get("world_size"),
-                                            "steps": len(record.get("steps", []))})
+                                            "steps": len(record.get("steps", [])), "pg": pg,
+                                            "facts": {k: record[k] for k in WORLD_KEYS if isinstance(record.get(k), list)}})
     for key in WORLD_KEYS:
         if isinstance(record.get(key), list):
             record[key] = []
