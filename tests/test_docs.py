@@ -197,6 +197,30 @@ def test_a_block_whose_text_was_edited_by_hand_is_found():
 
 # --------------------------------------------------------------------------------- what the doctor finds
 
+def test_the_checkers_held_out_judgments_cover_the_set_and_the_page_says_their_counts():
+    """docs/checker-held-out.json judges the first hint of every case of the held-out set checked once (names,
+    generic, misleading); docs/checker.md's block gives its counts, per exercise, as this test renders them."""
+    from collections import Counter
+
+    from course.exercises.mutations.heldout55 import CASES as HELD_OUT
+
+    cases = json.loads((DOCS / "checker-held-out.json").read_text())["cases"]
+    assert sorted(c["case"] for c in cases) == sorted(c.id for c in HELD_OUT)
+    assert {c["judged"] for c in cases} <= {"names", "generic", "misleading"} and all(c["why"] for c in cases)
+    assert all(c["status"] != "pass" and c["first_hint"] for c in cases), "every held-out mistake failed, with a hint"
+    total, per = Counter(c["judged"] for c in cases), {}
+    for c in cases:
+        per.setdefault(c["exercise"], []).append(c["judged"])
+    shown = "; ".join(f"{ex}: {js.count('names')} of {len(js)}" + (f" ({js.count('misleading')} misleading)"
+                                                                   if "misleading" in js else "") for ex, js in per.items())
+    text = (f"The first hint names the mistake for {total['names']} of {len(cases)} "
+            f"({100 * total['names'] / len(cases):.0f} %), is generic for {total['generic']} and misleading for "
+            f"{total['misleading']}; by exercise: {shown}. Misleading: "
+            + ", ".join(f"`{c['case']}`" for c in cases if c["judged"] == "misleading") + ".")
+    page = (DOCS / "checker.md").read_text()
+    assert f"<!-- held-out:judged -->\n{text}\n<!-- /held-out:judged -->" in page, text
+
+
 def test_the_doctor_page_names_every_finding_it_has():
     from ddp_doctor.report import LESSONS
 
