@@ -496,7 +496,7 @@ def test_each_world_is_recorded_on_its_own(tmp_path):
     proc, out = _recorded(TWO_WORLDS, tmp_path, COURSE_RECORD_TRAINING="1")
     proc.communicate(timeout=120)
     record = json.loads((out / "record_rank0.json").read_text())
-    assert [w["steps"] for w in record["worlds"]] == [3] and record["worlds"][0]["where"].endswith(":5")
+    assert [len(w["facts"]["steps"]) for w in record["worlds"]] == [3] and record["worlds"][0]["pg"]["where"].endswith(":5")
     assert len(record["steps"]) == 2 and len(record["modules"]) == 1 and len(record["grads"]) == 2
     assert sum(c.get("op") == "all_reduce" for c in record["collectives"]) == 2, record["collectives"]
     from ddp_doctor.doctor import diagnose

@@ -10,11 +10,11 @@ def check_earlier(records: dict, nproc: int, rules, facts) -> None:
     count = max((len(rec.get("worlds", [])) for rec in records.values()), default=0)
     if not count:
         return
-    first = next(rec["worlds"][0] for rec in records.values() if rec.get("worlds"))
+    first = next(rec["worlds"][0]["pg"] for rec in records.values() if rec.get("worlds"))
     facts.checked.append(f"each of the {count + 1} process groups the script made one after another on its own "
                          f"(the first at {first.get('where') or '?'})")
     for i in range(count):
-        then = {r: {**rec, **rec["worlds"][i].get("facts", {}), "pg": rec["worlds"][i].get("pg") or {}}
+        then = {r: {**rec, **rec["worlds"][i]["facts"], "pg": rec["worlds"][i]["pg"]}
                 for r, rec in records.items() if len(rec.get("worlds", [])) > i}
         found = type(facts)(facts.cwd)
         rules(then, found, nproc)

@@ -142,9 +142,7 @@ WORLD_KEYS = ("collectives", "backward", "grad_ready", "steps", "samplers", "mod
 
 def _new_world(record: dict, reset=None) -> None:
     """The world so far moved to ``worlds``; its facts emptied (``reset``: the training recorder's too)."""
-    pg = record.get("pg") or {}
-    record.setdefault("worlds", []).append({"where": pg.get("where"), "world_size": pg.get("world_size"),
-                                            "steps": len(record.get("steps", [])), "pg": pg,
+    record.setdefault("worlds", []).append({"pg": record.get("pg") or {},
                                             "facts": {k: record[k] for k in WORLD_KEYS if isinstance(record.get(k), list)}})
     for key in WORLD_KEYS:
         if isinstance(record.get(key), list):

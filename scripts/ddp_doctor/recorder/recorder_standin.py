@@ -128,7 +128,8 @@ def install(record: dict, where, pretend: bool, gpus: int) -> None:
             return fn
         return make
 
-    for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated"):
+    for name in ("set_device", "synchronize", "empty_cache", "ipc_collect", "reset_peak_memory_stats",
+                 "reset_max_memory_allocated"):
         replace(torch.cuda, name, nothing())
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         replace(torch.cuda, name, nothing(0))
@@ -145,8 +146,6 @@ def install(record: dict, where, pretend: bool, gpus: int) -> None:
     replace(torch.cuda, "get_device_capability", lambda real: answer((8, 0), real))
     replace(torch.cuda, "mem_get_info", lambda real: answer(lambda: (parts.memory(),) * 2, real))
     replace(torch.cuda, "utilization", lambda real: answer(0, real))
-    for name in ("ipc_collect",):
-        replace(torch.cuda, name, nothing())
     replace(torch.cuda, "memory_summary", nothing("(no CUDA memory: the doctor's CPU stand-in)"))
     parts.streams(torch, note)
     parts.sync_batch_norm(torch, note)
