@@ -316,6 +316,24 @@ def test_a_rank_that_aborts_on_a_collective_mismatch_is_the_one_shown():
     assert report.status == 1 and any("left no record" in u for u in report.unchecked), report.text()
 
 
+def test_a_hang_names_the_rank_whose_collective_its_peers_leaving_ended():
+    """CI of stop 58: rank 0's all_reduce timed out; gloo then closed rank 1's barrier ("pair closure") and rank 1
+    exited before it could write where it was. Its failed collective says where: both ranks are named."""
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+    timed_out = {"op": "all_reduce", "where": "ex6a_debug.py:44", "error": gloo + "unbound_buffer.cc:78] Timed out "
+                 "waiting 5000ms for recv operation to complete"}
+    closed = {"op": "barrier", "where": "ex6a_debug.py:79", "error": gloo + "pair.cc:561] Application timeout "
+              "caused pair closure"}
+    records = {0: {"collectives": [timed_out], "env": {}}, 1: {"collectives": [closed], "env": {}}}
+    facts = Facts("/")
+    assert rules_sync.hangs(_run(records=records), facts)
+    evidence = facts.findings[0].evidence
+    assert "rank 0 in all_reduce at ex6a_debug.py:44; rank 1 in barrier at ex6a_debug.py:79" in evidence, evidence
+    # a peer's leaving alone is no hang: a rank that crashed on its own ends its peers' collectives too
+    records[0]["collectives"] = [{**timed_out, "error": "RuntimeError: Connection closed by peer"}]
+    assert not rules_sync.hangs(_run(records=records), Facts("/"))
+
+
 def test_a_job_stopped_at_the_timeout_says_what_the_records_show():
     """Rank 1 had ended, rank 0 had failed (in DDP's buffer broadcast): not 'every rank at the same collective'."""
     died = {"in": "script", "t": 9.0, "error": "RuntimeError: Connection closed by peer", "where": "", "code": ""}

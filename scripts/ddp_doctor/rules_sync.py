@@ -13,6 +13,8 @@ RTOL = 1e-6  # fingerprints of replicas agree to float rounding; every mistake l
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all", "all_to_all_single")
 # A wait that ran out: a hang. ("Connection closed by peer" is not one: it is a rank that saw another die.)
 HUNG = ("Timed out", "timed out", "DistStoreError", "wait timeout")
+# a collective that failed because a peer left it (after that peer's wait timed out, or as it exited)
+PEER = ("Connection closed by peer", "pair closure", "Connection reset by peer")
 
 
 def _same(a, b) -> bool:
@@ -183,12 +185,12 @@ def stuck_line(r: int, rec: dict, stuck: dict) -> str:
     return f"rank {r} in {op} at {where}" + (f" (its collective #{seq})" if seq else "")
 
 
-def _error_line(r: int, rec: dict) -> str:
-    """Where a rank was when its wait ended in a timeout (or its peer's disconnection)."""
-    failed = [c for c in rec.get("collectives", []) if any(h in c.get("error", "") for h in HUNG)]
+def _error_line(r: int, rec: dict, causes=HUNG) -> str:
+    """Where a rank was when its wait ended in a timeout (``causes``: PEER, its peer's leaving)."""
+    failed = [c for c in rec.get("collectives", []) if any(h in c.get("error", "") for h in causes)]
     if failed:
         return f"rank {r} in {failed[-1]['op']} at {failed[-1]['where']}"
-    errors = [e for e in rec.get("errors", []) if any(h in e["error"] for h in HUNG)]
+    errors = [e for e in rec.get("errors", []) if any(h in e["error"] for h in causes)]
     if not errors:
         return ""
     pg = rec.get("pg") or {}
@@ -232,10 +234,12 @@ def hangs(run, facts) -> bool:
         where = [stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())]
     else:
         lines = {r: _error_line(r, rec) for r, rec in sorted(run.records.items())}
-        where = [w for w in lines.values() if w]
-        if where:  # a rank's wait timed out: where the others were then (the runner's stuck_rank<N>.json)
-            where += [stuck_line(r, run.records.get(r, {"script": ""}), s) for r, s in sorted(run.stuck.items())
-                      if not lines.get(r)]
+        if any(lines.values()):  # a rank's wait timed out: where the others were then, from the collective its
+            for r in sorted(set(run.records) | set(run.stuck)):  # peer's leaving ended, or its stuck_rank<N>.json
+                rec = run.records.get(r, {"script": ""})
+                lines[r] = lines.get(r) or _error_line(r, rec, PEER) or (
+                    stuck_line(r, rec, run.stuck[r]) if r in run.stuck else "")
+        where = [w for _, w in sorted(lines.items()) if w]
     if mismatch:
         facts.add(Finding("collective-mismatch", "The ranks called different collectives at the same point.",
                           mismatch + (" (" + "; ".join(where) + ")" if where else "") + " (flight recorder)",
