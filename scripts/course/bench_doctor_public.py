@@ -5,7 +5,8 @@
 The set is tests/fixtures/doctor_public/cases.json: scripts written for the course in the shapes of the PyTorch DDP
 tutorial series, the pytorch.org DDP tutorial, the source article's train_multi_GPU, nanoGPT's train.py,
 torchvision's reference and a Trainer with torch.compile, each as its authors would have it (CUDA and NCCL,
-mp.spawn, --local_rank), each with one realistic mistake and a fixed version. Apart from the course's own set
+mp.spawn, --local_rank), each with a realistic mistake and a fixed version; the source article's is rewritten from
+the published file, with its own mistakes (tests/fixtures/doctor_public/article/). Apart from the course's own set
 (course.bench_doctor).
 
 Accuracy: every case once; recall is the share of expected findings made, false alarms the findings no case
