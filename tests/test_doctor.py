@@ -282,6 +282,12 @@ def test_a_peek_at_one_batch_before_set_epoch_is_not_an_epoch():
     assert _codes(rules_data.epoch_order, _records(peeked))[1] == []
     same = [_pass(order[0], 10, distributed=dist(0), consumed=5) for _ in range(2)]
     assert _codes(rules_data.epoch_order, _records(same))[1] == ["set-epoch"]
+    # nor is it an evaluation: no optimizer step falls in it (issue 54 item 5's rule), yet it evaluated nothing
+    steps = {"grads": [{"t": 2.0}, {"t": 4.0}]}
+    timed = [{**peeked[0], "t": 0.0, "end": None}, {**peeked[1], "t": 1.0, "end": 5.0}]
+    facts, codes = _codes(rules_data.evaluation, _records(timed, **steps))
+    assert codes == [] and rules_data.passes(_records(timed, **steps)[0], False) == [], codes
+    assert "evaluation (no DataLoader pass without gradients recorded)" in facts.unchecked
 
 
 def test_a_cut_error_shows_its_cut():

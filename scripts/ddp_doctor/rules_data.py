@@ -20,9 +20,11 @@ def _first(indices, n=5) -> str:
 
 
 def passes(rec: dict, train: bool) -> list:
-    """A rank's training (or evaluation) passes over its DataLoaders, in order."""
+    """A rank's training (or evaluation) passes over its DataLoaders, in order. A peek at one batch of several
+    (``_peek``) has no optimizer step in it, and is no evaluation either."""
     stepped = _stepped(rec)
-    return [p for p in rec.get("loaders", []) if (p["train"] and id(p) in stepped) == train]
+    return [p for p in rec.get("loaders", []) if (p["train"] and id(p) in stepped) == train
+            and (train or not _peek(p))]
 
 
 def _stepped(rec: dict) -> set:
