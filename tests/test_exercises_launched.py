@@ -2,9 +2,9 @@
 benchmark course.bench_checker checks the whole set): each realistic mistake fails with its own diagnosis and first
 hint, each correct alternative passes on the exercise's second configuration (the solutions pass on the first in
 tests/test_exercises_notebook.py), a race gets the same diagnosis every run, and the debugging lab's scripts as
-committed show their symptom only. One real torchrun job per case (about 5 s on an idle 2-core box), two at a
-time: each check has its own script, work folder and results file, and no diagnosis depends on how fast a job
-runs (they come from what the recorder saw, and a hang ends at the process-group timeout whatever the load)."""
+committed show their symptom only. One real 2-rank job per case (on Linux its ranks forked from the checker's
+rank server: course.exercises.forked), two at a time: each check has its own script, work folder and results file,
+and no diagnosis depends on how fast a job runs (they come from what the recorder saw, and a hang ends at the process-group timeout whatever the load)."""
 
 import contextlib
 import json
@@ -22,7 +22,7 @@ import torch
 from conftest import charge, executed_notebook, part_of, wait_for_no_processes
 
 from course import RUNS, SCRIPTS
-from course.exercises import EXERCISES, NOTEBOOK, check, ex1_convert, ex2_by_hand, hint
+from course.exercises import EXERCISES, NOTEBOOK, check, ex1_convert, ex2_by_hand, forked, hint
 from course.exercises.crashes import CRASH_HINTS
 from course.exercises.hints import filled
 from course.exercises.mutations import CASES, TESTED, Case
@@ -85,6 +85,7 @@ def checked(request, tmp_path_factory):
         results.update(zip(((c.id, tag) for c, tag in second),
                            two_at_a_time(lambda w: check_case(w[0], root, w[1] or "-config2"), second)))
     assert wait_for_no_processes(str(root), timeout=10) == [], "processes of a check left behind"
+    assert forked.live_ranks() == [], "forked ranks of a check left behind"
     walls = sorted(r.wall for r in results.values())
     charge(time.monotonic() - started, {part: sum(r.wall for (case, _), r in results.items()
                                                   if part_of(case.partition("/")[0]) == part) for part in ("00-09", "10-12")})

@@ -1,6 +1,7 @@
 """The notebook launcher: live tagged output, failures raise with the real traceback, timeouts and
 interrupts leave no process behind, the plan follows the hardware."""
 
+import contextlib
 import json
 import os
 import re
@@ -696,11 +697,12 @@ def stuck_jobs(tmp_path_factory):
         except LaunchError as error:
             found[name] = error
 
-    def checker():  # the exercise checker's launch: under the recorder
-        found["checker"] = running.launch(STUCK, ["collective"], tmp_path_factory.mktemp("checker"), "gloo", 30)
+    def checker(fork):  # the exercise checker's launch: under the recorder
+        found[f"checker-{fork}"] = running.launch(STUCK, ["collective"], tmp_path_factory.mktemp("checker"), "gloo",
+                                                  30, fork=fork)
 
     threads = [threading.Thread(target=run, args=(name, *job)) for name, job in jobs.items()]
-    threads.append(threading.Thread(target=checker))
+    threads += [threading.Thread(target=checker, args=(fork,)) for fork in (True, False)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -743,13 +745,17 @@ def test_a_process_group_timeout_says_where_the_other_rank_was(stuck_jobs):
     assert result.places and result.places in result.failure
 
 
-def test_the_checkers_timeout_says_where_each_rank_was(stuck_jobs):
-    """The exercise checker launches through the same launcher, under the recorder: its verdict carries the same
-    places, the lines of the learner's script (not the recorder's)."""
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "torchrun"])
+def test_the_checkers_timeout_says_where_each_rank_was(stuck_jobs, fork):
+    """The exercise checker's ranks, forked (course.exercises.forked) or started by the same launcher, under the
+    recorder: its verdict carries the same places, the lines of the learner's script (not the recorder's), and no
+    rank is left."""
+    from course.exercises import forked
     from course.exercises.results import Stop
     from course.exercises.running import failure
 
-    run = stuck_jobs["checker"]
+    run = stuck_jobs[f"checker-{fork}"]
+    assert forked.live_ranks() == []
     assert run.returncode is None, run.output[-2000:]
     with pytest.raises(Stop) as stop:
         failure(run, STUCK, 30)
@@ -758,3 +764,36 @@ def test_the_checkers_timeout_says_where_each_rank_was(stuck_jobs):
     assert verdict.diagnosis == "hang" and f"rank 0 in all_reduce at {_line_of('dist.all_reduce')}" in verdict.symptom
     assert f"the rank that never reached the collective: rank 1, at {sleep}" in verdict.symptom, verdict.symptom
     assert verdict.facts["detail"] == run.places
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+def test_a_checkers_forked_ranks_end_with_their_caller(tmp_path, how, wait_until):
+    """The checker's forked ranks (course.exercises.forked) go with the process that asked for them: an interrupted
+    check (a stopped cell: KeyboardInterrupt) ends them, and so does a caller killed outright (a dead kernel: the
+    job's watchdog, and the rank server, whose input closes)."""
+    import psutil
+
+    code = ("from pathlib import Path\nfrom course.exercises import running\n"
+            f"running.launch(Path({str(STUCK)!r}), ['collective'], Path({str(tmp_path / 'work')!r}), 'gloo', 300, "
+            "fork=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    caller = psutil.Process(proc.pid)
+
+    def ranks():
+        servers = [p for p in caller.children() if "course.exercises.forked" in " ".join(p.cmdline())]
+        return [servers[0], *servers[0].children()] if servers and len(servers[0].children()) == 2 else None
+
+    started = []
+    try:
+        started = wait_until(ranks, 90, "the two forked ranks of a check")
+        time.sleep(1)  # into the script: rank 0 in its all_reduce, rank 1 asleep
+        proc.send_signal(signal.SIGINT) if how == "interrupt" else proc.kill()
+        proc.wait(timeout=30)
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started), 20,
+                   "the server and the ranks to end")
+        if how == "interrupt":
+            assert "KeyboardInterrupt" in proc.stderr.read().decode()
+    finally:
+        for p in [caller, *started]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -9,7 +9,8 @@ step by step, answering **PASS** or a hint in plain words. The API and the regis
 
 How a check works: the script is read first (a syntax error or a gap still marked ``...  # TODO`` is
 reported without running anything: ``running.static_check``); then the exercise's own ``check`` launches
-it under the recorder (``running.launch``, ``ddp_doctor/recorder/recorder.py``) with a wall-clock limit and a short process-group
+it under the recorder (``running.launch``, ``ddp_doctor/recorder/recorder.py``; on Linux its ranks are forks of a
+process that imported torch once, ``forked``) with a wall-clock limit and a short process-group
 timeout, rebuilds the same training in this process (``reference.simulate``) and compares; the first
 difference becomes a diagnosis, and each diagnosis a rung of the hint ladder (``hints``); a crash is named by
 its kind from the crashing rank's error (``crashes``).

@@ -1,5 +1,6 @@
 """Reading and running a learner's script: what is reported without running anything (a missing file, a syntax
-error, gaps still marked ``...  # TODO``), launching it on ``NPROC`` processes under the recorder
+error, gaps still marked ``...  # TODO``), launching it on ``NPROC`` processes (forked ranks on Linux:
+``course.exercises.forked``; else torchrun) under the recorder
 (``ddp_doctor/recorder/recorder.py``: the files each rank writes, its collectives, its samplers), turning a crash or a hang
 into a verdict that names the rank and the line of the learner's script, and calling learner code in this
 process under a time limit (exercises checked without processes).
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from course.exercises import forked
 from course.exercises.crashes import reading as crash_reading
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
@@ -77,31 +79,32 @@ class Run:
     out: Path
     seconds: float
     places: str = ""  # where each rank was at a timeout (ddp_doctor.runner.stacks), one line
+    order: list | None = None  # forked ranks: the ranks that failed, first to fail first (torchrun: its report)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
 
-def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
-    """Run the script on NPROC processes under the recorder, writing into ``work`` (emptied first)."""
-    from course.launcher import LaunchError
-    from course.launcher import launch as torchrun
-
+def launch(path: Path, args, work: Path, backend: str, timeout: float, fork: bool | None = None) -> Run:
+    """Run the script on NPROC processes under the recorder, writing into ``work`` (emptied first): forked from a
+    process that imported torch once (``course.exercises.forked``; ``fork``: None where usable), else by torchrun."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     lines: list[str] = []
     start = time.monotonic()
-    places = ""
-    try:
-        result = torchrun(RECORDER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
-                          backend=backend, env={"COURSE_RECORD_OUT": str(work)}, timeout=timeout, check=False,
-                          quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
-        code, output, places = result.returncode, result.output, result.places
-    except LaunchError as error:  # stopped at the wall-clock limit
-        code, output, places = None, getattr(error, "output", None) or "".join(lines), error.places
-    output = output or "".join(lines)  # the whole output: the streamed lines fold repeats across ranks
+    places, order = "", None
+    if forked.usable() if fork is None else fork:
+        from course import ROOT
+        from ddp_doctor.runner.plan import plan
+
+        env = {**plan(NPROC, backend, allow_oversubscribe=True).env(), "COURSE_RECORD_OUT": str(work)}
+        ended = forked.run([RECORDER, path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
+                           NPROC, env, ROOT, timeout)
+        code, output, places, order = ended.returncode, ended.output, ended.places, ended.order
+    else:
+        code, output, places = _torchrun(path, args, work, backend, timeout, lines)
     (work / "output.txt").write_text(output)
     records = {}
     for f in work.glob("record_rank*.json"):
@@ -109,8 +112,21 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float) -> Run:
             records[int(f.stem.removeprefix("record_rank"))] = json.loads(f.read_text())
         except ValueError:
             pass
-    places = one_line(places)
-    return Run(code, output, records, work, time.monotonic() - start, places)
+    return Run(code, output, records, work, time.monotonic() - start, one_line(places), order)
+
+
+def _torchrun(path: Path, args, work: Path, backend: str, timeout: float, lines: list) -> tuple:
+    from course.launcher import LaunchError
+    from course.launcher import launch as torchrun
+
+    try:
+        result = torchrun(RECORDER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
+                          backend=backend, env={"COURSE_RECORD_OUT": str(work)}, timeout=timeout, check=False,
+                          quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
+        code, output, places = result.returncode, result.output, result.places
+    except LaunchError as error:  # stopped at the wall-clock limit
+        code, output, places = None, getattr(error, "output", None) or "".join(lines), error.places
+    return code, output or "".join(lines), places  # the whole output: the streamed lines fold repeats across ranks
 
 
 @dataclass
@@ -199,7 +215,8 @@ def failure(run: Run, path: Path, timeout: float) -> None:
              detail=detail, errors=errors)
     if own:
         root = first_failure(run.output)  # torchrun's report: the rank that failed first
-        first = next((c for c in own if root and c.rank == root["rank"]), own[0])
+        first = next((c for r in (run.order or []) for c in own if c.rank == r), None) or \
+            next((c for c in own if root and c.rank == root["rank"]), own[0])
         where = _where(first, path)
         at_exit = " " + EXIT_RACE_NOTE if aborted_at_exit(rank_lines(run.output).get(first.rank, [])) else ""
         fail("crash", f"rank {first.rank} crashed" + (f" at {where}" if where else "") + f": {first.error}{at_exit}",

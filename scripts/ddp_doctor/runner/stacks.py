@@ -41,7 +41,11 @@ class Place:
     asked: str = ""  # the error that made this rank ask the others (its wait timed out); "" if it was asked
 
     def _own(self) -> list:
-        return [f for f in self.frames if not _library(f[0])]
+        """Its own frames, innermost first: not a library's, and none outside the recorder (what started the
+        recorder, e.g. the exercise checker's forked rank, is not the script)."""
+        helpers = [i for i, f in enumerate(self.frames) if f[0].startswith(HELPERS)]
+        inside = self.frames[:helpers[-1]] if helpers else self.frames
+        return [f for f in inside if not _library(f[0])]
 
     @property
     def site(self):
