@@ -1,12 +1,12 @@
-"""Benchmark: the DDP doctor on scripts in the shapes of widely copied public DDP code (issue 41 item 6).
+"""Benchmark: the DDP doctor on scripts in the shapes of widely copied public DDP code.
 
     python -m course.bench_doctor_public [--timing-repeats 5]        (or: make bench)
 
-The set is tests/fixtures/doctor_public/cases.json: scripts written for the course in the shapes of the PyTorch DDP
-tutorial series, the pytorch.org DDP tutorial, the source article's train_multi_GPU, nanoGPT's train.py,
-torchvision's reference and a Trainer with torch.compile, each as its authors would have it (CUDA and NCCL,
-mp.spawn, --local_rank), each with a realistic mistake and a fixed version; the source article's is rewritten from
-the published file, with its own mistakes (tests/fixtures/doctor_public/article/). Apart from the course's own set
+The set is tests/fixtures/doctor_public/cases.json, each script as its authors would have it (CUDA and NCCL,
+mp.spawn, --local_rank): the PyTorch DDP tutorial series and the source article's train_multi_GPU rewritten from the
+published files, with their own mistakes and none invented (tutorial_series/, article/); scripts written in the
+shapes of the pytorch.org DDP tutorial, nanoGPT's train.py, torchvision's reference, pytorch/examples' ImageNet
+main.py and a Trainer with torch.compile, each with a realistic mistake and a fixed version. Apart from the course's own set
 (course.bench_doctor).
 
 Accuracy: every case once; recall is the share of expected findings made, false alarms the findings no case
