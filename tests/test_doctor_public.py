@@ -14,7 +14,8 @@ CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
 # article-train-multi-gpu(-fixed): the source article's published script as published (its torch.cuda guard, SyncBN,
 # helper modules, DataLoaders with worker processes), with its two mistakes, then with them fixed
 # imagenet-main-dual-mode: both launch styles in one script, its arguments choosing torchrun's; its GPU path
-LAUNCHED = ["org-elastic-ddp", "org-ddp-tutorial-spawn", "torchvision-reference-fixed", "article-train-multi-gpu",
+# ts-multigpu-torchrun: the DDP tutorial series' torchrun script as published (no set_epoch)
+LAUNCHED = ["ts-multigpu-torchrun", "org-ddp-tutorial-spawn", "torchvision-reference-fixed", "article-train-multi-gpu",
             "article-train-multi-gpu-fixed", "imagenet-main-dual-mode"]
 
 
