@@ -12,7 +12,7 @@ rank's output tagged ``[rankN]:``, its exit code, the recorder's files, where ea
 
 The server never starts a thread, so a fork of it is safe; it ends its ranks and exits when its caller goes
 (stdin closes), and a watchdog per job (``ddp_doctor.runner.processes``) ends a job whose caller died. Elsewhere than
-Linux (macOS forbids much after fork) or with COURSE_CHECK_FORK=0, the checker launches torchrun as before.
+Linux (macOS forbids much after fork), for ranks on GPUs, or with COURSE_CHECK_FORK=0, the checker launches torchrun.
 """
 
 import itertools

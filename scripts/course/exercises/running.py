@@ -87,19 +87,22 @@ class Run:
 
 
 def launch(path: Path, args, work: Path, backend: str, timeout: float, fork: bool | None = None) -> Run:
-    """Run the script on NPROC processes under the recorder, writing into ``work`` (emptied first): forked from a
-    process that imported torch once (``course.exercises.forked``; ``fork``: None where usable), else by torchrun."""
+    """Run the script on NPROC processes under the recorder, writing into ``work`` (emptied first): CPU ranks forked
+    from a process that imported torch once (``course.exercises.forked``; ``fork``: None where usable, on Linux), else
+    started by torchrun (a GPU's ranks too: nothing of CUDA is inherited through a fork)."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     lines: list[str] = []
     start = time.monotonic()
     places, order = "", None
-    if forked.usable() if fork is None else fork:
-        from course import ROOT
-        from ddp_doctor.runner.plan import plan
+    from ddp_doctor.runner.plan import plan
 
-        env = {**plan(NPROC, backend, allow_oversubscribe=True).env(), "COURSE_RECORD_OUT": str(work)}
+    chosen = plan(NPROC, backend, allow_oversubscribe=True)
+    if forked.usable() and chosen.device == "cpu" if fork is None else fork:  # CPU ranks: nothing to re-initialise
+        from course import ROOT
+
+        env = {**chosen.env(), "COURSE_RECORD_OUT": str(work)}
         ended = forked.run([RECORDER, path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
                            NPROC, env, ROOT, timeout)
         code, output, places, order = ended.returncode, ended.output, ended.places, ended.order
