@@ -780,7 +780,7 @@ def test_a_checkers_forked_ranks_end_with_their_caller(tmp_path, how, wait_until
     caller = psutil.Process(proc.pid)
 
     def ranks():
-        servers = [p for p in caller.children() if "course.exercises.forked" in " ".join(p.cmdline())]
+        servers = [p for p in caller.children() if "course.rank_server" in " ".join(p.cmdline())]
         return [servers[0], *servers[0].children()] if servers and len(servers[0].children()) == 2 else None
 
     started = []
