@@ -773,7 +773,11 @@ def test_a_checkers_forked_ranks_end_with_their_caller(tmp_path, how, wait_until
     job's watchdog, and the rank server, whose input closes)."""
     import psutil
 
-    code = ("from pathlib import Path\nfrom course.exercises import running\n"
+    # Python's own Ctrl-C handler, as a kernel has one: a process started in the background by a shell without job
+    # control (`make test &`, nohup) inherits SIGINT ignored, and Python then installs none (measured: the test
+    # failed so in two fresh clones run with nohup)
+    code = ("import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from pathlib import Path\nfrom course.exercises import running\n"
             f"running.launch(Path({str(STUCK)!r}), ['collective'], Path({str(tmp_path / 'work')!r}), 'gloo', 300, "
             "fork=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
