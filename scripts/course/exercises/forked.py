@@ -33,7 +33,6 @@ def usable() -> bool:
     return sys.platform == "linux" and os.environ.get("COURSE_CHECK_FORK", "1") != "0"
 
 
-
 @dataclass
 class Ended:
     """A forked job's end: ``returncode`` None when it was stopped at the timeout; ``order``: the ranks that failed,

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from course import ROOT
 from course.exercises import forked
 from course.exercises.crashes import reading as crash_reading
 from course.exercises.reference import NPROC
 from course.exercises.results import Stop, Verdict, fail, rel
 from ddp_doctor.recorder import ENTRY as RECORDER
+from ddp_doctor.runner.plan import plan
 from ddp_doctor.runner.stacks import one_line
 from ddp_doctor.runner.torchrun_output import EXIT_RACE_NOTE, aborted_at_exit, first_failure, rank_lines
 
@@ -93,21 +95,15 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float, fork: boo
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    lines: list[str] = []
     start = time.monotonic()
-    places, order = "", None
-    from ddp_doctor.runner.plan import plan
-
-    chosen = plan(NPROC, backend, allow_oversubscribe=True)
+    argv = [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S]
+    chosen = plan(NPROC, backend, allow_oversubscribe=True)  # 1 core: slow, still right
+    order = None
     if forked.usable() and chosen.device == "cpu" if fork is None else fork:  # CPU ranks: nothing to re-initialise
-        from course import ROOT
-
-        env = {**chosen.env(), "COURSE_RECORD_OUT": str(work)}
-        ended = forked.run([RECORDER, path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
-                           NPROC, env, ROOT, timeout)
+        ended = forked.run([RECORDER, *argv], NPROC, {**chosen.env(), "COURSE_RECORD_OUT": str(work)}, ROOT, timeout)
         code, output, places, order = ended.returncode, ended.output, ended.places, ended.order
     else:
-        code, output, places = _torchrun(path, args, work, backend, timeout, lines)
+        code, output, places = _torchrun(argv, work, backend, timeout)
     (work / "output.txt").write_text(output)
     records = {}
     for f in work.glob("record_rank*.json"):
@@ -118,17 +114,17 @@ def launch(path: Path, args, work: Path, backend: str, timeout: float, fork: boo
     return Run(code, output, records, work, time.monotonic() - start, one_line(places), order)
 
 
-def _torchrun(path: Path, args, work: Path, backend: str, timeout: float, lines: list) -> tuple:
+def _torchrun(argv: list, work: Path, backend: str, timeout: float) -> tuple:
     from course.launcher import LaunchError
     from course.launcher import launch as torchrun
 
+    lines: list[str] = []
     try:
-        result = torchrun(RECORDER, NPROC, [path.resolve(), *map(str, args), "--out", work, "--timeout", PG_TIMEOUT_S],
-                          backend=backend, env={"COURSE_RECORD_OUT": str(work)}, timeout=timeout, check=False,
-                          quiet=True, on_line=lines.append, allow_oversubscribe=True)  # 1 core: slow, still right
+        result = torchrun(RECORDER, NPROC, argv, backend=backend, env={"COURSE_RECORD_OUT": str(work)},
+                          timeout=timeout, check=False, quiet=True, on_line=lines.append, allow_oversubscribe=True)
         code, output, places = result.returncode, result.output, result.places
     except LaunchError as error:  # stopped at the wall-clock limit
-        code, output, places = None, getattr(error, "output", None) or "".join(lines), error.places
+        code, output, places = None, getattr(error, "output", None), error.places
     return code, output or "".join(lines), places  # the whole output: the streamed lines fold repeats across ranks
 
 
