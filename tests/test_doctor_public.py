@@ -15,8 +15,9 @@ CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
 # helper modules, DataLoaders with worker processes), with its two mistakes, then with them fixed
 # imagenet-main-dual-mode: both launch styles in one script, its arguments choosing torchrun's; its GPU path
 # ts-multigpu-torchrun: the DDP tutorial series' torchrun script as published (no set_epoch)
-LAUNCHED = ["ts-multigpu-torchrun", "org-ddp-tutorial-spawn", "torchvision-reference-fixed", "article-train-multi-gpu",
-            "article-train-multi-gpu-fixed", "imagenet-main-dual-mode"]
+# org-ddp-tutorial-published: the pytorch.org DDP tutorial's mp.spawn example, three worlds spawned one after another
+LAUNCHED = ["ts-multigpu-torchrun", "org-ddp-tutorial-published", "torchvision-reference-fixed",
+            "article-train-multi-gpu", "article-train-multi-gpu-fixed", "imagenet-main-dual-mode"]
 
 
 def test_the_set_has_ten_shapes_each_mistaken_and_fixed():
@@ -67,6 +68,9 @@ def test_the_doctor_checks_a_public_shape_on_this_machine(name, outcomes):
     if name == "article-train-multi-gpu":  # the published file's own mistakes, with their evidence
         evidence = {f.code: f.evidence for f in report.findings}
         assert "class_indices.json" in evidence["rank-writes"] and "padded to" in evidence["eval-padding"], evidence
+    if name == "org-ddp-tutorial-published":  # each world's ranks recorded apart: the first checked, the rest said
+        assert "the processes of the script's later mp.spawn calls (2)" in report.unchecked, report.text()
+        assert any(c.startswith("replicas (1 fingerprints") for c in report.checked), report.text()
     if name == "imagenet-main-dual-mode":  # issue 54 item 3: the launch style from the first try, said with why
         assert "run under torchrun: started once as `python script`, it stopped at `KeyError: 'WORLD_SIZE'`" \
             in report.command and "telling the script it has 1 GPU per node" in report.command, report.command

@@ -9,12 +9,11 @@ What it runs: the script as torchrun would (its own arguments, its working direc
 GPU where there are 2 or more; on a CPU machine as 2 nodes of 1 process, so that LOCAL_RANK differs from RANK as
 on a cluster), each training pass over a DataLoader cut to ``steps`` batches, the process-group timeout cut to
 ``hang_after`` seconds, the whole job to ``timeout``; nothing is left running. Afterwards your folders are as they
-were: files the script overwrote or deleted are restored, files it created are moved to the ``files`` folder of
-the doctor's folder for the script (``runs/doctor/<script>-<key>/files`` in the folder the script runs in, the key
-from the script's full path; the report says where).
+were: files the script overwrote or deleted are restored, files it created are moved to the doctor's folder for
+the script (``runs/doctor/<script>-<key>/files`` where the script runs; the report says where).
 Scripts as people write them run too (``running``): written for CUDA and NCCL (on a CPU machine, with a CPU
-stand-in), starting their own processes (``mp.spawn``: run once, as ``python script.py``), or taking
-``--local_rank``.
+stand-in), starting their own processes (``mp.spawn``: run once, as ``python script.py``; of several worlds
+spawned one after another, the first is checked), or taking ``--local_rank``.
 With ``compare_batch_arg="--batch-size"`` it also runs 1 process with that argument's value (the global batch)
 and N processes with 1/N of it, and compares the first steps' losses (notebook 03's proof, on your script).
 
@@ -90,6 +89,8 @@ def diagnose(run: Run, moved_to: str = "the doctor's folder") -> Report:
         report.error = f"the script {how} (exit code {run.returncode}): {own_failure(run)}"
     elif run.timed_out and not hung:
         report.error = f"the job was still running after {job.timeout:.0f} s and was stopped: {still_running(run)}"
+    if run.later:  # mp.spawn called again: worlds one after another, the first checked
+        facts.unchecked.append(f"the processes of the script's later mp.spawn calls ({run.parent['spawn_jobs'] - 1})")
     facts.fold_symptoms()
     if not report.error and not any(f.kind != COST for f in facts.findings):
         report.error = nothing_checked(run)  # never "no mistake found" about a run that checked nothing
@@ -107,8 +108,7 @@ def _world_rules(records: dict, facts: Facts, nproc: int) -> None:
         facts.model_parallel = rules_sync.model_parallel(records)
         rules_sync.devices(records, facts)
         if facts.model_parallel:
-            facts.unchecked.append(f"replicas, gradients and the data split: the ranks' models are not replicas "
-                                   f"({facts.model_parallel})")
+            facts.unchecked.append(f"replicas, gradients and the data split (no replicas: {facts.model_parallel})")
         elif rules_sync.sharded(records):
             facts.unchecked.append("replicas and gradients: each rank holds a shard of the parameters (FSDP)")
             rules_data.sharding(records, facts)

@@ -59,6 +59,7 @@ class Run:
     restored: list = field(default_factory=list)  # files the run overwrote or deleted, restored
     lost: list = field(default_factory=list)  # files the run overwrote or deleted that could not be restored
     parent: dict = field(default_factory=dict)  # a script that starts its own processes: its own record
+    later: list = field(default_factory=list)  # the records of its later mp.spawn worlds (not checked)
     ended_early: str = ""  # why the runner ended the job before it ended by itself
 
     @property
@@ -263,8 +264,8 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
             failure = describe_failure(output, code) or ""
     except KeyboardInterrupt:
         done.set()
-        _put_back(Run(job, None, "", _read(out, "record_rank"), {}, time.monotonic() - start, parent=_parent(out)),
-                  out, files or out / "files")
+        _put_back(Run(job, None, "", _read(out, "record_rank"), {}, time.monotonic() - start, parent=_parent(out),
+                      later=_later(out)), out, files or out / "files")
         raise
     finally:
         done.set()
@@ -277,7 +278,7 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
     ended = _ended(out, {})
     others_ended = code and (why[:1] == ["failed"] or (any(ended.values()) and len(ended) < job.nproc))
     run = Run(job, code, output, records, stuck, time.monotonic() - start, failure, parent=_parent(out),
-              ended_early="a rank failed: the others were ended, as torchrun ends them" if others_ended else "")
+              later=_later(out), ended_early="a rank failed: the others were ended, as torchrun ends them" if others_ended else "")
     _put_back(run, out, files or out / "files")
     return run
 
@@ -289,10 +290,21 @@ def _parent(out: Path) -> dict:
         return {}
 
 
+def _later(out: Path) -> list:
+    """The records of the processes of a script's later ``mp.spawn`` calls (``record_job<N>_rank<R>.json``)."""
+    found = []
+    for f in sorted(out.glob("record_job*_rank*.json")):
+        try:
+            found.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
 def _put_back(run: Run, out: Path, files: Path) -> None:
     """Restore what the script overwrote or deleted; move what it created into ``files``; drop folders it
     created. The copies are found by their own ``.path`` notes too: a rank ended before it wrote its record."""
-    records = [*run.records.values(), run.parent]
+    records = [*run.records.values(), run.parent, *run.later]
     protected = {p: s for r in records for p, s in r.get("protected", {}).items()}
     for note in (out / "protected").glob("*.path"):
         try:

@@ -16,10 +16,9 @@ records facts that the script cannot fake or forget to report:
 - with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
 
 Launch styles: under torchrun, one recorder per rank; with ``COURSE_RECORD_LAUNCH=spawn``, ``python recorder.py
-SCRIPT`` runs a script that starts its own processes once, each of them recorded (``recorder_spawn.py``; the
-parent's own writes in ``record_parent.json``). ``COURSE_RECORD_STANDIN=1``: the CPU stand-in for CUDA and NCCL
-(``recorder_standin.py``); ``COURSE_RECORD_LOCAL_RANK_ARG``: the script gets ``--local_rank=N`` (spelled so), as
-``torch.distributed.launch`` gave it; ``COURSE_RECORD_PORT``: see ``recorder_collectives.py``.
+SCRIPT`` runs a script that starts its own processes once, each recorded (``recorder_spawn.py``; the parent's own
+writes in ``record_parent.json``). ``COURSE_RECORD_STANDIN=1``: the CPU stand-in for CUDA and NCCL;
+``COURSE_RECORD_LOCAL_RANK_ARG``: the script gets ``--local_rank=N``, as ``torch.distributed.launch`` gave it.
 
 Settings (environment): ``COURSE_RECORD_OUT``, the folder of the records (``record_rank<RANK>.json``, written
 when the script ends, even by an exception; never half-written); ``COURSE_RECORD_PG_TIMEOUT``, seconds that
@@ -191,8 +190,8 @@ def rank() -> str:
     return str(record["spawn_index"]) if CHILD and record.get("spawn_index") is not None else RANK
 
 
-def _name() -> str:
-    return "parent" if LAUNCH == "spawn" and not CHILD else f"rank{rank()}"
+def _name() -> str:  # JOB: a later mp.spawn's world (recorder_spawn), under names of its own
+    return "parent" if LAUNCH == "spawn" and not CHILD else f"job{JOB}_rank{rank()}" if JOB else f"rank{rank()}"
 
 
 def _save_record(ended: bool = False):
@@ -343,6 +342,7 @@ def main():
 
 training = recorder_collectives = None
 CHILD = _STARTED = FINISHED = _FINAL = False
+JOB = 0
 
 if __name__ == "__main__":
     import recorder  # this file under its own name: one module, the same in a forked process and recorder_spawn

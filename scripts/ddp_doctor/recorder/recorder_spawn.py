@@ -23,10 +23,19 @@ def install() -> None:
     import multiprocessing.process
 
     init = multiprocessing.process.BaseProcess.__init__
+    started = set()  # the process indices torch's spawn started in this job
 
     def recorded(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
         if target is not None and not getattr(target, "__module__", "").startswith("torch.utils.data"):
-            target = functools.partial(child, target)
+            spawned = (getattr(target, "__module__", ""), getattr(target, "__name__", "")) == \
+                ("torch.multiprocessing.spawn", "_wrap")
+            if spawned and args:  # an index started again: a later mp.spawn, a world of its own
+                if args[1] in started:
+                    started.clear()
+                    recorder.record["spawn_jobs"] = recorder.record.get("spawn_jobs", 1) + 1
+                started.add(args[1])
+            job = recorder.record.get("spawn_jobs", 1) - 1
+            target = functools.partial(child, target) if not job else functools.partial(_later, job, target)
         init(self, group, target, name, args, kwargs or {}, daemon=daemon)
 
     multiprocessing.process.BaseProcess.__init__ = recorded
@@ -59,6 +68,13 @@ def guard() -> None:
         return start(self)
 
     multiprocessing.process.BaseProcess.start = guarded
+
+
+def _later(job, target, *args, **kwargs):
+    """A process of the script's ``job``-th later ``mp.spawn`` (0 is the first): recorded under names of their own
+    (``record_job<N>_rank<R>.json``), so that they do not replace the first world's records."""
+    recorder.JOB = job
+    return child(target, *args, **kwargs)
 
 
 def child(target, *args, **kwargs):
