@@ -11,13 +11,13 @@ from course import doctor_cases as cases
 from ddp_doctor.report import COST
 
 CASES = cases.load(ROOT / "tests" / "fixtures" / "doctor_public" / "cases.json")
-# article-train-multi-gpu(-fixed): the source article's published script as published (its torch.cuda guard, SyncBN,
-# helper modules, DataLoaders with worker processes), with its two mistakes, then with them fixed
+# article-train-multi-gpu: the source article's published script as published (its torch.cuda guard, SyncBN, helper
+# modules, DataLoaders with worker processes), with its two mistakes (fixed: the benchmark's)
 # imagenet-main-dual-mode: both launch styles in one script, its arguments choosing torchrun's; its GPU path
 # ts-multigpu-torchrun: the DDP tutorial series' torchrun script as published (no set_epoch)
 # org-ddp-tutorial-published: the pytorch.org DDP tutorial's mp.spawn example, three worlds spawned one after another
 LAUNCHED = ["ts-multigpu-torchrun", "org-ddp-tutorial-published", "torchvision-reference-fixed",
-            "article-train-multi-gpu", "article-train-multi-gpu-fixed", "imagenet-main-dual-mode"]
+            "article-train-multi-gpu", "imagenet-main-dual-mode"]
 
 
 def test_the_set_has_ten_shapes_each_mistaken_and_fixed():

@@ -76,7 +76,21 @@ def run_case(case: Case, root: Path) -> Outcome:
 
 def run_all(cases: list[Case], root: Path, at_once: int = 2) -> dict[str, Outcome]:
     with ThreadPoolExecutor(at_once) as pool:
-        return {o.case.name: o for o in pool.map(lambda c: run_case(c, root), cases)}
+        return {o.case.name: o for o in pool.map(lambda c: run_case(c, root), spread(cases))}
+
+
+def spread(cases: list[Case]) -> list[Case]:
+    """The cases in the order they start: those that mostly wait (a hang, ended after ``hang_after`` seconds or at
+    the job's timeout) the longest wait first, each followed by its share of the others: two waiting at once would
+    leave the cores idle."""
+    def wait(case: Case) -> float:
+        return min(case.options["hang_after"], case.options.get("timeout", float("inf")))
+
+    waiting = sorted((c for c in cases if "hang_after" in c.options), key=wait, reverse=True)
+    busy = [c for c in cases if "hang_after" not in c.options]
+    share = len(busy) // max(len(waiting), 1)
+    order = [c for i, w in enumerate(waiting) for c in (w, *busy[i * share:(i + 1) * share])]
+    return order + busy[len(waiting) * share:]
 
 
 def score(outcomes: dict[str, Outcome]) -> dict:
