@@ -270,6 +270,20 @@ def test_saving_on_each_nodes_local_rank_0_is_not_called_a_mistake(tmp_path):
     assert codes(nodes, "torch.save(model.state_dict(), 'snapshot.pt')\n")[1] == ["rank-writes"]
     one_node = {r: {"writes": [shared], "env": {"LOCAL_RANK": str(r), "GROUP_RANK": "0"}} for r in (0, 1)}
     assert codes(one_node, "if local_rank == 0:\n")[1] == ["rank-writes"]
+    # Where the recorder saw each write (its sites): a file written from lines under no LOCAL_RANK test (hydra's
+    # outputs, written as the job starts) stays a mistake beside the node-local snapshot (minGPT-ddp's shape).
+    script = tmp_path / "train.py"
+    script.write_text("def save(path):\n    torch.save(model, path)\n\n\n"
+                      "def main():\n    open('run.log', 'w')\n    if self.local_rank == 0 and epoch % 2 == 0:\n"
+                      "        save('snapshot.pt')\n")
+    log = str(tmp_path / "run.log")
+    sites = {shared: [[str(script), 2], [str(script), 8]], log: [[str(script), 6]]}
+    both = {r: {"writes": [shared, log], "sites": sites, "env": {"LOCAL_RANK": "0", "GROUP_RANK": str(r)}}
+            for r in (0, 1)}
+    facts, found = codes(both, script.read_text())
+    assert found == ["rank-writes"] and "run.log" in facts.findings[0].evidence, facts
+    assert "snapshot.pt" not in facts.findings[0].evidence
+    assert any("share a filesystem" in u and "snapshot.pt" in u and "run.log" not in u for u in facts.unchecked)
 
 
 def test_a_peek_at_one_batch_before_set_epoch_is_not_an_epoch():

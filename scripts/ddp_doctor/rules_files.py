@@ -71,15 +71,52 @@ LOCAL_ZERO = re.compile(r"(?i)\b(local_rank|gpu_id)\W{0,4}==\s*0\b")  # `if self
 def node_local_writes(records: dict, source: str, facts) -> None:
     """Files that each simulated node's LOCAL_RANK 0 wrote, from a script that saves where LOCAL_RANK is 0 (read
     from its source): right on one node or with node-local disks, wrong on nodes sharing a filesystem. The run
-    cannot tell which the learner has: said as unchecked, not as a mistake."""
+    cannot tell which the learner has: said as unchecked, not as a mistake. A file whose writing lines (the
+    recorder's sites) are under no such test stays a mistake: every rank writes it, on one node as on several."""
     found = next((f for f in facts.findings if f.code == "rank-writes"), None)
     nodes = {rec["env"].get("GROUP_RANK") for rec in records.values()}
     if found is None or len(nodes) < 2 or not LOCAL_ZERO.search(source) \
             or any((rec["env"].get("LOCAL_RANK") or "0") != "0" for rec in records.values() if rec.get("writes")):
         return
+    by_path: dict = {}
+    for rec in records.values():
+        for path in rec.get("writes", []):
+            by_path.setdefault(path, []).append(rec.get("sites", {}).get(path))
+    shared = sorted(p for p, sites in by_path.items() if len(sites) > 1)
+    everywhere = [p for p in shared if all(sites and not _under_local_zero(sites) for sites in by_path[p])]
+    local = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in shared if p not in everywhere]
     facts.findings.remove(found)
-    facts.unchecked.append(
-        f"whether your nodes share a filesystem: the script saves where LOCAL_RANK is 0 (read from its source), so "
-        f"the first process of each of the doctor's {len(nodes)} simulated nodes wrote the same files "
-        f"({found.evidence.removeprefix('written by ')}): right on one node or with node-local disks; on nodes "
-        "sharing a filesystem they overwrite each other (save on RANK 0 there)")
+    if everywhere:
+        names = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in everywhere]
+        found.evidence = (f"written by {len(by_path[everywhere[0]])} ranks, from lines under no LOCAL_RANK test: "
+                          + ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+        facts.add(found)
+    if local or not everywhere:
+        shown = f"{len(nodes)} ranks: {', '.join(local[:4])}" + (" ..." if len(local) > 4 else "") if local \
+            else found.evidence.removeprefix("written by ")
+        facts.unchecked.append(
+            f"whether your nodes share a filesystem: the script saves where LOCAL_RANK is 0 (read from its source), "
+            f"so the first process of each of the doctor's {len(nodes)} simulated nodes wrote the same files "
+            f"({shown}): right on one node or with node-local disks; on nodes sharing a filesystem they overwrite "
+            "each other (save on RANK 0 there)")
+
+
+def _under_local_zero(sites: list) -> bool:
+    """Whether one of these [file, line] of the script tests LOCAL_RANK == 0, or sits in a block that does."""
+    for file, line in sites:
+        try:
+            with open(file, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()[:line]
+        except OSError:
+            return True  # cannot tell: as before, a node-local save
+        indent = len(lines[-1]) - len(lines[-1].lstrip()) + 1 if lines else 0
+        for text in reversed(lines):
+            depth = len(text) - len(text.lstrip())
+            if not text.strip() or text.lstrip().startswith("#") or depth >= indent:
+                continue
+            if LOCAL_ZERO.search(text):
+                return True
+            indent = depth
+            if text.lstrip().startswith(("def ", "async def ", "class ")):
+                break
+    return False

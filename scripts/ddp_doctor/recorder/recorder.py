@@ -3,17 +3,15 @@ exercise checker and by the DDP doctor; not started by learners).
 
     torchrun --nproc-per-node=2 scripts/ddp_doctor/recorder/recorder.py SCRIPT [ARGS...]
 
-Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``) and
-records facts that the script cannot fake or forget to report:
+Runs SCRIPT as ``python SCRIPT ARGS`` would (as ``__main__``, its own folder first on ``sys.path``), recording:
 - the files it wrote (an audit hook sees every ``open`` for writing and every rename; ``torch.save`` too), and
   the files written during the run that it read;
 - every ``torch.distributed`` collective it called from Python, and ``init_process_group``
   (``recorder_collectives.py``); at exit the flight recorder's entries: every collective the process group
   ran, DDP's own gradient all-reduces included;
-- when each ``backward()`` started and ended, when each optimizer step ran, and when autograd called each
-  hook registered with ``register_post_accumulate_grad_hook`` (``grad_ready``: a gradient is complete);
-  the optimizer-state bytes; the indices each ``DistributedSampler`` yielded, with its epoch;
-- with ``COURSE_RECORD_TRAINING=1`` (the doctor), the facts of ``recorder_training.py``.
+- when each ``backward()`` started and ended, each optimizer step, each ``register_post_accumulate_grad_hook``
+  call (``grad_ready``), the optimizer-state bytes, the indices each ``DistributedSampler`` yielded;
+- with ``COURSE_RECORD_TRAINING=1`` (the doctor), ``recorder_training.py``'s facts and ``recorder_sites.py``'s.
 
 Launch styles: under torchrun, one recorder per rank; with ``COURSE_RECORD_LAUNCH=spawn``, ``python recorder.py
 SCRIPT`` runs a script that starts its own processes once, each recorded (``recorder_spawn.py``; the parent's own
@@ -58,7 +56,7 @@ record = {"rank": int(RANK), "env": {k: os.environ.get(k) for k in ("RANK", "LOC
                                                                      "LOCAL_WORLD_SIZE", "GROUP_RANK")},
           "writes": [], "reads": [], "created": [], "protected": {}, "collectives": [], "backward": [], "grad_ready": [], "steps": [],
           "samplers": [], "state_bytes": 0, "pg": None, "fr": [], "script": SCRIPT, "dirs": [], "errors": [],
-          "t0_ns": time.time_ns(), "pid": os.getpid()}
+          "t0_ns": time.time_ns(), "pid": os.getpid(), "sites": {}}
 _LOCK = threading.Lock()  # one writer of the record at a time: the main thread at exit, or the watcher
 
 
@@ -127,6 +125,7 @@ def _written(path) -> None:
                 _protect(path)
         elif path not in record["created"]:
             record["created"].append(path)
+        record["sites"][path] = recorder_sites.frames(SCRIPT)  # the script's lines that wrote it
     record["writes"].append(path)
 
 
@@ -280,7 +279,7 @@ def _instrument():
 
 def _start() -> None:
     """Install everything in this process (once): the recorder's siblings, the watcher, the wrappers, the hook."""
-    global training, recorder_collectives, _STARTED
+    global training, recorder_collectives, recorder_sites, _STARTED
     import recorder_collectives  # this file's folder is on sys.path here: its siblings import by name
 
     if STANDIN:  # first: the others' wrappers wrap its own
@@ -289,6 +288,7 @@ def _start() -> None:
         gpus = int(os.environ.get("COURSE_RECORD_GPUS") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
         recorder_standin.install(record, where, os.environ.get("COURSE_RECORD_PRETEND") == "1", gpus)
     if TRAINING:
+        import recorder_sites
         import recorder_training as training
 
         training.install(record, now)
@@ -340,7 +340,7 @@ def main():
         FINISHED = True
 
 
-training = recorder_collectives = None
+training = recorder_collectives = recorder_sites = None
 CHILD = _STARTED = FINISHED = _FINAL = False
 JOB = 0
 
