@@ -6,10 +6,9 @@ The set is tests/fixtures/doctor_public/cases.json, each script as its authors w
 mp.spawn, --local_rank): the PyTorch DDP tutorial series, the pytorch.org DDP tutorial's two examples, nanoGPT's
 train.py, pytorch/examples' ImageNet main.py and the source article's train_multi_GPU rewritten from the published
 files, with their own mistakes and none invented (tutorial_series/, pytorch_org/, nanogpt/, imagenet/, article/);
-scripts written in the shapes of the
-pytorch.org tutorial's mp.spawn example, nanoGPT's train.py, torchvision's reference, pytorch/examples' ImageNet
-main.py and minGPT-ddp with hydra, a Trainer with torch.compile, each with a realistic mistake and a fixed
-version. Apart from the course's own set (course.bench_doctor).
+scripts written in the shapes of the pytorch.org tutorial's mp.spawn example, nanoGPT's train.py, torchvision's
+reference, pytorch/examples' ImageNet main.py and minGPT-ddp with hydra, a Trainer with torch.compile, each with a
+realistic mistake and a fixed version. Apart from the course's own set (course.bench_doctor).
 
 Accuracy: every case once; recall is the share of expected findings made, false alarms the findings no case
 expects. Time: for each fixed script, the doctor (as a learner runs it) against a plain run of the script,

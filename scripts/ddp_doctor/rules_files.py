@@ -34,13 +34,13 @@ def writes(records: dict, facts) -> None:
     shared = sorted(p for p, ranks in by_path.items() if len(ranks) > 1)
     shared_tb = sorted(f for f, ranks in folders.items() if len(ranks) > 1)
     if shared or shared_tb:
-        names = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in shared + shared_tb]
+        names = _shown(shared + shared_tb, facts.cwd)
         counts = sorted({len(by_path.get(p, folders.get(p, ()))) for p in shared + shared_tb})
         facts.add(Finding(
             "rank-writes", "Several ranks write the same files: they overwrite each other (a checkpoint can be "
             "torn, a log garbled), and TensorBoard reads all ranks' event files in one folder as one series whose "
             "steps jump back.",
-            f"written by {'/'.join(map(str, counts))} ranks: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""),
+            f"written by {'/'.join(map(str, counts))} ranks: {names}",
             "write checkpoints, logs and TensorBoard events on rank 0 only (`if dist.get_rank() == 0:`)"
             + _local_rank_hint(records)))
 
@@ -83,17 +83,16 @@ def node_local_writes(records: dict, source: str, facts) -> None:
         for path in rec.get("writes", []):
             by_path.setdefault(path, []).append(rec.get("sites", {}).get(path))
     shared = sorted(p for p, sites in by_path.items() if len(sites) > 1)
-    everywhere = [p for p in shared if all(sites and not _under_local_zero(sites) for sites in by_path[p])]
-    local = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in shared if p not in everywhere]
+    sources: dict = {}  # file -> its lines, read once
+    everywhere = [p for p in shared if all(sites and not _under_local_zero(sites, sources) for sites in by_path[p])]
+    local = [p for p in shared if p not in everywhere]
     facts.findings.remove(found)
     if everywhere:
-        names = [os.path.relpath(p, facts.cwd) if p.startswith(facts.cwd) else p for p in everywhere]
         found.evidence = (f"written by {len(by_path[everywhere[0]])} ranks, from lines under no LOCAL_RANK test: "
-                          + ", ".join(names[:4]) + (" ..." if len(names) > 4 else ""))
+                          + _shown(everywhere, facts.cwd))
         facts.add(found)
     if local or not everywhere:
-        shown = f"{len(nodes)} ranks: {', '.join(local[:4])}" + (" ..." if len(local) > 4 else "") if local \
-            else found.evidence.removeprefix("written by ")
+        shown = f"{len(nodes)} ranks: {_shown(local, facts.cwd)}" if local else found.evidence.removeprefix("written by ")
         facts.unchecked.append(
             f"whether your nodes share a filesystem: the script saves where LOCAL_RANK is 0 (read from its source), "
             f"so the first process of each of the doctor's {len(nodes)} simulated nodes wrote the same files "
@@ -101,14 +100,24 @@ def node_local_writes(records: dict, source: str, facts) -> None:
             "each other (save on RANK 0 there)")
 
 
-def _under_local_zero(sites: list) -> bool:
+def _shown(paths: list, cwd: str) -> str:
+    """The first 4 paths, relative to the working folder where they are inside it."""
+    names = [os.path.relpath(p, cwd) if p.startswith(cwd) else p for p in paths]
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def _under_local_zero(sites: list, sources: dict) -> bool:
     """Whether one of these [file, line] of the script tests LOCAL_RANK == 0, or sits in a block that does."""
     for file, line in sites:
-        try:
-            with open(file, encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()[:line]
-        except OSError:
+        if file not in sources:
+            try:
+                with open(file, encoding="utf-8", errors="replace") as f:
+                    sources[file] = f.read().splitlines()
+            except OSError:
+                sources[file] = None
+        if sources[file] is None:
             return True  # cannot tell: as before, a node-local save
+        lines = sources[file][:line]
         indent = len(lines[-1]) - len(lines[-1].lstrip()) + 1 if lines else 0
         for text in reversed(lines):
             depth = len(text) - len(text.lstrip())

@@ -277,8 +277,8 @@ def run(job: Job, out: Path, on_line=None, plain: bool = False, files: Path | No
     # a rank failed and others had not ended: ended by the runner, or by torchrun itself if it was quicker
     ended = _ended(out, {})
     others_ended = code and (why[:1] == ["failed"] or (any(ended.values()) and len(ended) < job.nproc))
-    run = Run(job, code, output, records, stuck, time.monotonic() - start, failure, parent=_parent(out),
-              later=_later(out), ended_early="a rank failed: the others were ended, as torchrun ends them" if others_ended else "")
+    run = Run(job, code, output, records, stuck, time.monotonic() - start, failure, parent=_parent(out), later=_later(out),
+              ended_early="a rank failed: the others were ended, as torchrun ends them" if others_ended else "")
     _put_back(run, out, files or out / "files")
     return run
 
